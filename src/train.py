@@ -1,0 +1,130 @@
+"""Train a model: `python src/train.py`, `torchrun --nproc_per_node=N src/train.py parallel=ddp`,
+sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: conf/.
+
+Reads top to bottom: process group, data, model, optimizer, the loop, the end.
+"""
+import math
+from functools import partial
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from trainkit import config, dist
+from trainkit.accumulate import EpochLayout, sync_context, syncs_now
+from trainkit.config import ConfigError
+from trainkit.data import eval_loader, train_loader
+from trainkit.evaluate import evaluate
+from trainkit.metrics import TrainMeter, make_logger
+from trainkit.parallel import resolve_mode, unwrap, wrap
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+
+    # Data. Rank 0 prepares (downloads) first. The train sampler is a DistributedSampler in every
+    # mode (num_replicas=1 in single), so step s trains on the same samples at any world size.
+    with d.rank0_first():
+        train_set, val_set = instantiate(cfg.data.splits)
+    loader, sampler = train_loader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed)
+    val_loader = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
+    K = config.accumulation_steps(cfg, d.world_size)
+    layout = EpochLayout(len(train_set), d.world_size, d.rank, cfg.data.batch_size, K)
+    steps_per_epoch = layout.windows(cfg.data.drop_last)
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.drop_last=true drops every sample: the global batch {layout.global_batch} "
+                          f"is larger than the {len(train_set)} training samples")
+    total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+
+    # Model, wrapped for the parallel mode; the optimizer is built on the wrapped parameters.
+    model, comm = wrap(instantiate(cfg.model), mode, d)
+    torch.manual_seed(cfg.seed + d.rank)  # from here on, dropout masks differ between ranks
+    optimizer = instantiate(cfg.optim)(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
+    precision = cfg.trainer.precision
+    autocast = partial(torch.autocast, d.device.type, dtype=DTYPES.get(precision), enabled=precision in DTYPES)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
+    max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
+
+    d.print0(f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
+             f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
+             f"global batch {layout.global_batch} = {d.world_size} ranks x {cfg.data.batch_size} micro-batch "
+             f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
+             f"{total_steps} steps, {epochs} epochs | run dir {run_dir}")
+
+    step, val = 0, {}
+    meter = TrainMeter(d, comm)
+    with make_logger(run_dir, cfg, d.is_main) as logger:
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+            batches = iter(loader)
+            model.train()
+            for window in range(min(steps_per_epoch, total_steps - step)):
+                # One optimizer step: the global window of up to K micro-batches per rank.
+                micro_steps, samples = layout.micro_steps(window), layout.window_samples(window)
+                # The gradient is the mean over the window's real samples of all ranks, also for
+                # a short last window. DDP averages over ranks, hence the factor world_size.
+                scale = d.world_size / samples
+                for k in range(micro_steps):
+                    x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
+                    # no_sync wraps forward AND backward: DDP arms its all-reduce in forward.
+                    with sync_context(model, syncs_now(cfg.accumulation.strategy, k, micro_steps)):
+                        with autocast():
+                            losses = F.cross_entropy(model(x), y, reduction="none")
+                        weights = layout.sample_weights(window * K + k, len(y))
+                        if weights is not None:  # DistributedSampler's padding repeats weigh 0
+                            losses = losses * weights.to(d.device)
+                        loss_sum = losses.sum()
+                        scaler.scale(loss_sum * scale).backward()
+                    meter.add_micro_step(loss_sum)
+                scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                lr = scheduler.get_last_lr()[0]
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                meter.add_step(grad_norm, samples)
+
+                row = {}
+                if step % cfg.trainer.log_every == 0 or step == total_steps:
+                    row |= meter.row() | {"lr": lr}
+                    d.print0(f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
+                             f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s")
+                if step % cfg.trainer.eval_every == 0 or step == total_steps:
+                    row |= (val := evaluate(unwrap(model), val_loader, d, autocast))
+                    d.print0(f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}")
+                if row:
+                    logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
+
+    if d.is_main:
+        torch.save(unwrap(model).state_dict(), run_dir / "model.pt")
+    d.print0(f"done: {step} steps, val acc {val['val/acc']:.4f}; wrote {run_dir / 'model.pt'}")
+    return val["val/acc"]
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    try:
+        config.check(cfg)
+        d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+        mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
+        return train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
+    except Exception as error:
+        if (bad_setting := config.config_error(error)) is None:
+            raise
+        dist.fail(str(bad_setting))  # one line from rank 0, exit status 2, no traceback
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Gradient accumulation: which samples form an optimizer step, which micro-step syncs, and the
+loss normalisation that makes training world-size invariant."""
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass(frozen=True)
+class EpochLayout:
+    """How one epoch splits into optimizer steps ("windows") of up to K micro-batches per rank.
+
+    DistributedSampler gives rank r the positions r, r+W, r+2W, ... of the epoch's permutation,
+    padded to a multiple of W. Local micro-batch j of all ranks together therefore covers the
+    global positions [j*b*W, (j+1)*b*W), and optimizer step s covers exactly [s*G, (s+1)*G) with
+    G = W*K*b: the same samples for every (W, K, b) with the same product. Positions >= N are
+    padding repeats and weigh 0. The last window of an epoch may be short (fewer micro-batches,
+    fewer samples); `window_samples` counts its real samples so its gradient is their exact mean
+    (Lightning and Accelerate divide it by K instead). drop_last drops that window.
+    """
+
+    num_samples: int
+    world_size: int
+    rank: int
+    batch_size: int
+    steps: int  # K
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.steps * self.batch_size
+
+    @property
+    def local_samples(self) -> int:
+        return math.ceil(self.num_samples / self.world_size)
+
+    @property
+    def micro_batches(self) -> int:
+        return math.ceil(self.local_samples / self.batch_size)
+
+    def windows(self, drop_last: bool) -> int:
+        """Optimizer steps per epoch."""
+        if drop_last:
+            return self.num_samples // self.global_batch
+        return math.ceil(self.micro_batches / self.steps)
+
+    def micro_steps(self, window: int) -> int:
+        return min(self.steps, self.micro_batches - window * self.steps)
+
+    def window_samples(self, window: int) -> int:
+        """Real (non-padding) samples in the window, summed over all ranks."""
+        start = window * self.steps * self.batch_size
+        end = min(start + self.steps * self.batch_size, self.local_samples)
+        return min(self.num_samples, end * self.world_size) - start * self.world_size
+
+    def sample_weights(self, micro_batch: int, size: int) -> torch.Tensor | None:
+        """0/1 weights of this rank's micro-batch (0 = padding), or None when all are real."""
+        if ((micro_batch + 1) * self.batch_size) * self.world_size <= self.num_samples:
+            return None
+        positions = (micro_batch * self.batch_size + torch.arange(size)) * self.world_size + self.rank
+        return (positions < self.num_samples).float()
+
+
+def syncs_now(strategy: str, micro_step: int, micro_steps: int) -> bool:
+    """no_sync: only the window's last micro-step syncs; sync_each_batch: every one does."""
+    return strategy == "sync_each_batch" or micro_step == micro_steps - 1
+
+
+def sync_context(model: torch.nn.Module, sync: bool):
+    """Skip DDP's gradient all-reduce for this micro-step unless `sync`.
+
+    Wrap forward AND backward: DDP arms its reducer in forward, so a backward-only no_sync()
+    still all-reduces (tests/test_accumulate.py shows it). A null context without DDP.
+    """
+    if sync or not isinstance(model, DDP):
+        return contextlib.nullcontext()
+    return model.no_sync()

@@ -1,0 +1,100 @@
+"""Config checks with one-line errors, and the OmegaConf resolvers the Hydra tree uses."""
+import datetime
+import functools
+import os
+
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A bad setting. Entry points print it as one line and exit with status 2."""
+
+
+def config_error(error: Exception) -> ConfigError | None:
+    """The ConfigError behind `error`, also when hydra.utils.instantiate wrapped it."""
+    while error is not None and not isinstance(error, ConfigError):
+        error = error.__cause__ if isinstance(error, InstantiationException) else None
+    return error
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@functools.cache
+def run_stamp() -> str:
+    """A timestamp every rank agrees on, so all torchrun workers share one Hydra run dir.
+
+    Each worker runs @hydra.main and would evaluate ${now:} on its own clock. Under torchrun the
+    first worker to ask publishes its stamp in the elastic agent's store (compare_set is atomic)
+    and everyone reads it back; the agent's store outlives worker restarts, so a restarted round
+    lands in the same dir and can resume. Other launchers: set hydra.run.dir explicitly.
+    """
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return stamp
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=60))
+    key = f"trainkit/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return store.compare_set(key, "", stamp).decode()
+
+
+def rank_zero_only(value):
+    """The value on rank 0, None elsewhere (hydra.output_subdir: only rank 0 writes .hydra/)."""
+    return value if _env_rank() == 0 else None
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("no_sync", "sync_each_batch")
+MODES = ("auto", "single", "ddp")
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value} is not one of: {', '.join(map(str, allowed))}")
+
+
+def _positive_int(key: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+def _optional_positive(key: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigError(f"{key}={value} must be null or a positive number")
+
+
+def check(cfg: DictConfig) -> None:
+    """Reject settings that would fail late or train silently wrong, naming the key."""
+    _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
+    _one_of("accumulation.strategy", cfg.accumulation.strategy, STRATEGIES)
+    _one_of("parallel.mode", cfg.parallel.mode, MODES)
+    _positive_int("data.batch_size", cfg.data.batch_size)
+    _positive_int("accumulation.steps", cfg.accumulation.steps)
+    _positive_int("trainer.epochs", cfg.trainer.epochs)
+    _positive_int("trainer.eval_every", cfg.trainer.eval_every)
+    _positive_int("trainer.log_every", cfg.trainer.log_every)
+    _optional_positive("trainer.max_steps", cfg.trainer.max_steps)
+    _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
+    _optional_positive("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
+    if not isinstance(cfg.data.num_workers, int) or cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0")
+
+
+def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
+    """K, from accumulation.steps or derived from accumulation.global_batch_size."""
+    global_batch = cfg.accumulation.global_batch_size
+    if global_batch is None:
+        return cfg.accumulation.steps
+    per_step = cfg.data.batch_size * world_size
+    if global_batch % per_step:
+        raise ConfigError(
+            f"accumulation.global_batch_size={global_batch} is not a multiple of "
+            f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}")
+    return global_batch // per_step

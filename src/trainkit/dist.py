@@ -1,0 +1,93 @@
+"""Process group setup and teardown, rank facts, rank-0-first, print0.
+
+Rank 0 is decided once here (`Dist.is_main`, `print0`); no other module asks for the rank.
+"""
+import contextlib
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_initialized()
+
+    def print0(self, *args, **kwargs) -> None:
+        """Print from rank 0 only (the others would repeat every line W times)."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def rank0_first(self):
+        """Rank 0 runs the body first (e.g. downloads data), the others wait, then run it too."""
+        if not self.is_main:
+            self.barrier()
+        try:
+            yield
+        finally:  # also on error: the others then fail the same way instead of waiting
+            if self.is_main:
+                self.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def env_rank() -> int:
+    """The rank before any process group exists (for printing errors from rank 0 only)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600) -> Dist:
+    """Join the torchrun process group (none without torchrun) and pick this rank's device."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if launched_by_torchrun():
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Dist(rank, local_rank, world_size, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Exit with a one-line error printed by rank 0 (the others exit quietly)."""
+    if env_rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    teardown()
+    sys.exit(code)

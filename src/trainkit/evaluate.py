@@ -1,0 +1,29 @@
+"""Evaluation: every validation sample counted exactly once, at any world size."""
+import torch
+import torch.nn.functional as F
+
+from trainkit.dist import Dist
+
+
+@torch.inference_mode()
+def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, float]:
+    """Loss and accuracy over the loader's contiguous shards (data.eval_loader), from
+    all-reduced sums and counts, never a mean of per-rank means.
+
+    Pass the unwrapped module: a DDP forward may run collectives, and the shards (hence the
+    number of batches) may differ by one sample between ranks.
+    """
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
+    correct = torch.zeros((), dtype=torch.float64, device=d.device)
+    for x, y in loader:
+        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+        with autocast():
+            logits = model(x)
+        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+        correct += (logits.argmax(dim=1) == y).sum()
+    model.train(was_training)
+    totals = d.all_reduce_sum(torch.stack([loss_sum, correct]))
+    count = len(loader.dataset)
+    return {"val/loss": totals[0].item() / count, "val/acc": totals[1].item() / count}

@@ -1,0 +1,121 @@
+"""DDP on 2 gloo ranks: gradient syncs counted by the comm hook, why no_sync must wrap forward
+too, and exact accumulation on a linear regression whose answer is known in closed form."""
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from helpers import run_distributed
+from trainkit.accumulate import EpochLayout, sync_context, syncs_now
+from trainkit.data import train_loader
+from trainkit.dist import Dist
+from trainkit.parallel import wrap
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _same_on_all_ranks(tensor) -> bool:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return all(torch.equal(gathered[0], t) for t in gathered)
+
+
+def _accounting(rank, world_size):
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    out = {}
+    for strategy in ("no_sync", "sync_each_batch"):
+        torch.manual_seed(0)
+        model, comm = wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), "ddp", d)
+        same_inside, same_after = [], []
+        K, windows = 4, 3
+        for _ in range(windows):
+            for k in range(K):
+                x = torch.randn(5, 4) + rank  # different data on each rank
+                with sync_context(model, syncs_now(strategy, k, K)):
+                    model(x).sum().backward()
+                (same_after if k == K - 1 else same_inside).append(_same_on_all_ranks(_grads(model)))
+            model.zero_grad()
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        out[strategy] = dict(syncs=comm.syncs, bytes=comm.bytes, param_bytes=params,
+                             same_inside=same_inside, same_after=same_after)
+
+    # The classic pitfall: forward outside no_sync(), only backward inside. It still syncs.
+    torch.manual_seed(0)
+    model, comm = wrap(nn.Linear(4, 1), "ddp", d)
+    loss = model(torch.randn(5, 4) + rank).sum()
+    with model.no_sync():
+        loss.backward()
+    out["backward_only"] = dict(syncs=comm.syncs, same=_same_on_all_ranks(_grads(model)))
+    return out
+
+
+def test_one_sync_per_optimizer_step_with_no_sync_and_k_with_sync_each_batch():
+    for result in run_distributed(_accounting, 2):
+        no_sync, each = result["no_sync"], result["sync_each_batch"]
+        assert no_sync["syncs"] == 3 and each["syncs"] == 12  # 3 optimizer steps of K=4
+        assert no_sync["bytes"] == 3 * no_sync["param_bytes"]
+        assert each["bytes"] == 12 * each["param_bytes"]
+        assert not any(no_sync["same_inside"])  # local accumulation: ranks differ in the window
+        assert all(no_sync["same_after"])  # the sync step makes them identical
+        assert all(each["same_inside"]) and all(each["same_after"])
+        # no_sync() around backward alone does not stop the all-reduce: DDP armed it in forward.
+        assert result["backward_only"] == {"syncs": 1, "same": True}
+
+
+def _regression(rank, world_size, batch_size, steps, X, y, lr, epochs):
+    """train.py's accumulation loop, reduced to plain SGD on least squares."""
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    dataset = TensorDataset(X, y)
+    loader, sampler = train_loader(dataset, d, batch_size, 0, seed=0)
+    layout = EpochLayout(len(dataset), world_size, rank, batch_size, steps)
+    model, _ = wrap(nn.Linear(X.shape[1], 1, dtype=torch.float64), "ddp" if world_size > 1 else "single", d)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for window in range(layout.windows(drop_last=False)):
+            micro_steps, scale = layout.micro_steps(window), world_size / layout.window_samples(window)
+            for k in range(micro_steps):
+                xb, yb = next(batches)
+                with sync_context(model, syncs_now("no_sync", k, micro_steps)):
+                    losses = 0.5 * (model(xb).squeeze(1) - yb) ** 2
+                    weights = layout.sample_weights(window * steps + k, len(yb))
+                    if weights is not None:
+                        losses = losses * weights
+                    (losses.sum() * scale).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    module = model.module if world_size > 1 else model
+    return torch.cat([module.weight.detach().flatten(), module.bias.detach()])
+
+
+def _closed_form(X, y, global_batch, lr, epochs):
+    """Gradient descent on 0.5 * mean squared error over each global window, in numpy."""
+    Xn, yn = X.numpy(), y.numpy()
+    w, b = np.zeros(X.shape[1]), 0.0
+    for epoch in range(epochs):
+        g = torch.Generator().manual_seed(epoch)  # DistributedSampler: seed + epoch
+        order = torch.randperm(len(yn), generator=g).numpy()
+        for start in range(0, len(yn), global_batch):
+            idx = order[start:start + global_batch]
+            residual = Xn[idx] @ w + b - yn[idx]
+            w, b = w - lr * Xn[idx].T @ residual / len(idx), b - lr * residual.mean()
+    return np.concatenate([w, [b]])
+
+
+def test_linear_regression_two_ranks_k4_b1_equals_one_process_b8_and_closed_form():
+    torch.manual_seed(0)
+    X = torch.randn(21, 3, dtype=torch.float64)  # 21 = 2 full windows of 8 and a short one of 5
+    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.3
+    expected = _closed_form(X, y, global_batch=8, lr=0.1, epochs=2)
+    single = _regression(0, 1, 8, 1, X, y, 0.1, 2)
+    ranks = run_distributed(_regression, 2, 1, 4, X, y, 0.1, 2)
+    np.testing.assert_allclose(single.numpy(), expected, rtol=1e-12, atol=1e-12)
+    for weights in ranks:
+        np.testing.assert_allclose(weights.numpy(), expected, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,74 @@
+"""src/train.py end to end, as a user runs it (python and torchrun), on the bundled digits."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from helpers import ROOT, run_train
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_default_job_reaches_95_percent_and_writes_the_contract_files(tmp_path):
+    proc = run_train(tmp_path)
+    assert "global batch 32 = 1 ranks x 32 micro-batch x 1 accumulation" in proc.stdout
+    metrics = rows(tmp_path)
+    final = metrics[-1]
+    assert final["val/acc"] >= 0.95
+    assert final["step"] == 900 and final["samples"] == 20 * 1438
+    train_rows = [r for r in metrics if "loss" in r]
+    for key in ("step", "epoch", "loss", "lr", "grad_norm", "samples", "comm/grad_syncs", "comm/grad_bytes"):
+        assert all(key in r for r in train_rows), key
+    assert all(r["comm/grad_syncs"] == 0 and r["comm/grad_bytes"] == 0 for r in train_rows)  # single
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+    # model.pt: the plain state_dict, loadable into the unwrapped model.
+    model = instantiate(compose_cfg().model)
+    model.load_state_dict(weights(tmp_path))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
+
+
+EPOCH = ["trainer.epochs=1", "data.drop_last=false", "optim=adamw", "sched=cosine", "sched.warmup_steps=5",
+         "trainer.clip_grad_norm=0.5", "trainer.log_every=5"]
+
+
+@pytest.fixture(scope="module")
+def single_b32(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    run_train(run_dir, *EPOCH, "data.batch_size=32")
+    return run_dir
+
+
+@pytest.mark.parametrize("strategy,syncs", [("no_sync", 1.0), ("sync_each_batch", 2.0)])
+def test_two_ranks_k2_b8_equal_one_process_b32(single_b32, tmp_path, strategy, syncs):
+    run_train(tmp_path, *EPOCH, "data.batch_size=8", "accumulation.steps=2", f"accumulation={strategy}",
+              "parallel=ddp", nproc=2)
+    # One epoch of 1438 samples: 44 full global batches of 32 and a short last one of 30.
+    assert rows(tmp_path)[-1]["step"] == rows(single_b32)[-1]["step"] == 45
+    assert_same_weights(weights(tmp_path), weights(single_b32), atol=1e-5)
+    single_rows, ddp_rows = rows(single_b32), rows(tmp_path)
+    for a, b in zip(single_rows, ddp_rows):
+        assert a["samples"] == b["samples"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # mean over all samples of all ranks
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    assert all(r["comm/grad_syncs"] == syncs for r in ddp_rows if "loss" in r)
+    param_bytes = sum(t.numel() * t.element_size() for t in weights(tmp_path).values())
+    assert all(r["comm/grad_bytes"] == syncs * param_bytes for r in ddp_rows if "loss" in r)

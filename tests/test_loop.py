@@ -18,6 +18,7 @@ CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 def run(tmp_path, *overrides):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     acc = train(cfg, CPU, "single", tmp_path)
     return acc, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
@@ -71,3 +72,26 @@ def test_overrides_train(tmp_path, overrides):
 def test_cnn_learns_digits(tmp_path):
     acc, _ = run(tmp_path, "model=cnn", "trainer.epochs=3", "trainer.eval_every=1000")
     assert acc >= 0.95
+
+
+def write_idx(path, array):
+    """The MNIST file format: a big-endian magic (dtype uint8, ndim), the dims, the bytes."""
+    import numpy as np
+
+    header = np.array([0x0800 + array.ndim, *array.shape], dtype=">i4").tobytes()
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_loads_from_data_root(tmp_path):
+    """The torchvision path on tiny MNIST-format files made here (tests never download)."""
+    import numpy as np
+
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 64), ("t10k", 16)):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
+    acc, rows = run(tmp_path / "run", "data=mnist", f"data.root={tmp_path / 'data'}", "data.num_workers=0",
+                    "trainer.epochs=2", "data.batch_size=16")
+    assert rows[-1]["step"] == 8 and rows[-1]["samples"] == 128 and 0 <= acc <= 1

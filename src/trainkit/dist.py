@@ -47,6 +47,11 @@ class Dist:
             if self.is_main:
                 self.barrier()
 
+    def broadcast_from_main(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

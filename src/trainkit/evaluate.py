@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from trainkit.dist import Dist
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, float]:
     """Loss and accuracy over the loader's contiguous shards (data.eval_loader), from
     all-reduced sums and counts, never a mean of per-rank means.
@@ -13,6 +13,16 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, flo
     Pass the unwrapped module: a DDP forward may run collectives, and the shards (hence the
     number of batches) may differ by one sample between ranks.
     """
+    # DDP broadcasts rank 0's buffers (BatchNorm running stats) at the start of each forward, so
+    # each rank's own last forward left its copy different: evaluate with rank 0's, which
+    # model.pt keeps. (A no-op in single mode; with SyncBN they are equal already.)
+    for buffer in model.buffers():
+        d.broadcast_from_main(buffer)
+    return _evaluate(model, loader, d, autocast)
+
+
+@torch.inference_mode()
+def _evaluate(model, loader, d, autocast) -> dict[str, float]:
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)

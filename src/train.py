@@ -12,21 +12,23 @@ import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
-from trainkit.config import ConfigError
+from trainkit.checkpoint import Checkpointer, check_compatible, restore, snapshot
+from trainkit.config import ConfigError, RunError
 from trainkit.data import eval_loader, train_loader
 from trainkit.evaluate import evaluate
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import resolve_mode, unwrap, wrap
+from trainkit.rng import seed_all
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    seed_all(cfg.seed)  # the same initial weights on every rank
 
     # Data. Rank 0 prepares (downloads) first. The train sampler is a DistributedSampler in every
     # mode (num_replicas=1 in single), so step s trains on the same samples at any world size.
@@ -45,13 +47,26 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped parameters.
     model, comm = wrap(instantiate(cfg.model), mode, d)
-    torch.manual_seed(cfg.seed + d.rank)  # from here on, dropout masks differ between ranks
+    seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
     precision = cfg.trainer.precision
     autocast = partial(torch.autocast, d.device.type, dtype=DTYPES.get(precision), enabled=precision in DTYPES)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
+    meter = TrainMeter(d, comm)
+
+    # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d)
+    identity = {"global_batch": layout.global_batch, "seed": cfg.seed,
+                **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
+                **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits")}
+    progress = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
+    if resumed := checkpointer.load(cfg.checkpoint.resume):
+        check_compatible(resumed["identity"], identity)
+        restore(resumed, unwrap(model), optimizer, scheduler, scaler, meter, d)
+        progress = resumed["progress"]
+        d.print0(f"resumed from {resumed['path']} at step {progress['step']}")
 
     d.print0(f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
              f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
@@ -59,14 +74,20 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
              f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
              f"{total_steps} steps, {epochs} epochs | run dir {run_dir}")
 
-    step, val = 0, {}
-    meter = TrainMeter(d, comm)
-    with make_logger(run_dir, cfg, d.is_main) as logger:
-        for epoch in range(epochs):
+    step, val = progress["step"], {}
+    with make_logger(run_dir, cfg, d.is_main, resumed) as logger:
+        for epoch in range(progress["epoch"], epochs):
             sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+            first_window = progress["window"] if epoch == progress["epoch"] else 0
+            if resumed and epoch == progress["epoch"]:  # re-create the interrupted epoch's iterator
+                loader.generator.set_state(resumed["loader_generator"])
+            sampler.start = first_window * K * cfg.data.batch_size  # skip the windows already trained
+            epoch_generator = loader.generator.get_state()
             batches = iter(loader)
             model.train()
-            for window in range(min(steps_per_epoch, total_steps - step)):
+            for window in range(first_window, steps_per_epoch):
+                if step == total_steps:
+                    break
                 # One optimizer step: the global window of up to K micro-batches per rank.
                 micro_steps, samples = layout.micro_steps(window), layout.window_samples(window)
                 # The gradient is the mean over the window's real samples of all ranks, also for
@@ -87,12 +108,20 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 lr = scheduler.get_last_lr()[0]
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
+                # All ranks decide together (one all-reduced flag, one host sync per step): a rank
+                # skipping alone would hang the others. fp16 overflows are GradScaler's to skip.
+                bad_grad = ~torch.isfinite(grad_norm) if not scaler.is_enabled() else False
+                skipped = d.any(bad_grad | ~torch.isfinite(meter.window_loss))
+                if skipped and cfg.trainer.on_nonfinite == "raise":
+                    raise RunError(f"non-finite loss or gradient at step {step + 1} (trainer.on_nonfinite=raise; "
+                                   "skip drops such windows)")
+                if not skipped:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                meter.add_step(grad_norm, samples)
+                meter.add_step(grad_norm, samples, skipped)
 
                 row = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:
@@ -104,7 +133,14 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
                     d.print0(f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}")
                 if row:
                     logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
+                if checkpointer.due(step, total_steps):
+                    done = window + 1 == steps_per_epoch
+                    progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
+                    checkpointer.save(step, snapshot(unwrap(model), optimizer, scheduler, scaler, meter, progress,
+                                                     epoch_generator, identity, logger.run_id))
 
+    if not val:  # resumed from the final checkpoint: nothing left to train
+        val = evaluate(unwrap(model), val_loader, d, autocast)
     if d.is_main:
         torch.save(unwrap(model).state_dict(), run_dir / "model.pt")
     d.print0(f"done: {step} steps, val acc {val['val/acc']:.4f}; wrote {run_dir / 'model.pt'}")
@@ -118,10 +154,13 @@ def main(cfg: DictConfig) -> float:
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
         return train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
-    except Exception as error:
-        if (bad_setting := config.config_error(error)) is None:
-            raise
-        dist.fail(str(bad_setting))  # one line from rank 0, exit status 2, no traceback
+    except Exception as error:  # known failures: one line from rank 0, no traceback
+        if (known := config.user_error(error)) is not None:
+            dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
+        if dist.lost_peer(error):
+            dist.fail(f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s}): "
+                      f"{str(error).strip().splitlines()[0][:300]}", 1)
+        raise
     finally:
         dist.teardown()
 

@@ -1,14 +1,17 @@
 """Test helpers: run a function on W gloo ranks; run the real entry points as a user would."""
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,20 +44,59 @@ def run_distributed(fn, world_size: int = 2, *args):
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
+               PYTHONPATH=str(ROOT / "tests"))  # so model._target_=helpers.faulty_mlp resolves
     env.pop("WANDB_API_KEY", None)
     return env
 
 
 def run_train(run_dir: Path, *overrides: str, nproc: int = 1, script: str = "src/train.py",
-              check: bool = True) -> subprocess.CompletedProcess:
-    """Run an entry point as a user would: python (nproc=1) or torchrun (nproc>1)."""
+              check: bool = True, torchrun: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run an entry point as a user would: python (nproc=1, no torchrun args) or torchrun."""
     launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if nproc > 1 or torchrun:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
     cmd = [*launcher, str(ROOT / script), f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
 
+
+
+class Faulty(nn.Module):
+    """A model that misbehaves once, on one rank, at its n-th training forward: the real faults
+    the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
+    marker file remembers it), "nan" (return NaN), or "hang" (sleep as a stuck peer would)."""
+
+    def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str):
+        super().__init__()
+        self.inner, self.fault, self.at_forward, self.rank, self.marker = inner, fault, at_forward, rank, Path(marker)
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.inner(x)
+        if not self.training or int(os.environ.get("RANK", 0)) != self.rank:
+            return out
+        self.calls += 1
+        if self.calls == 1 and self.marker.exists():  # the restarted worker's first step: when
+            self.marker.with_suffix(".resumed").touch(exist_ok=True)  # the restart cost ends
+        if self.calls != self.at_forward:
+            return out
+        if self.fault == "nan":
+            return out * float("nan")
+        if self.fault == "hang":
+            time.sleep(3600)
+        if self.fault == "kill" and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+def faulty_model(name: str, fault: str, at_forward: int, rank: int = 0, marker: str = "/nonexistent",
+                 **model_args) -> nn.Module:
+    """trainkit.models.<name>(**model_args) wrapped in Faulty; from the command line:
+    model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
+    from trainkit import models
+
+    return Faulty(getattr(models, name)(**model_args), fault, at_forward, rank, marker)

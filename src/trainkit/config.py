@@ -11,9 +11,13 @@ class ConfigError(ValueError):
     """A bad setting. Entry points print it as one line and exit with status 2."""
 
 
-def config_error(error: Exception) -> ConfigError | None:
-    """The ConfigError behind `error`, also when hydra.utils.instantiate wrapped it."""
-    while error is not None and not isinstance(error, ConfigError):
+class RunError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss). Printed as one line, exit status 3."""
+
+
+def user_error(error: Exception) -> ConfigError | RunError | None:
+    """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it."""
+    while error is not None and not isinstance(error, (ConfigError, RunError)):
         error = error.__cause__ if isinstance(error, InstantiationException) else None
     return error
 
@@ -53,6 +57,7 @@ OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp")
+ON_NONFINITE = ("raise", "skip")
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -75,6 +80,7 @@ def check(cfg: DictConfig) -> None:
     _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _one_of("accumulation.strategy", cfg.accumulation.strategy, STRATEGIES)
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
+    _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ON_NONFINITE)
     _positive_int("data.batch_size", cfg.data.batch_size)
     _positive_int("accumulation.steps", cfg.accumulation.steps)
     _positive_int("trainer.epochs", cfg.trainer.epochs)
@@ -83,6 +89,7 @@ def check(cfg: DictConfig) -> None:
     _optional_positive("trainer.max_steps", cfg.trainer.max_steps)
     _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
     _optional_positive("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
+    _optional_positive("parallel.timeout_s", cfg.parallel.timeout_s)
     if not isinstance(cfg.data.num_workers, int) or cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0")
 
@@ -98,3 +105,13 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
             f"accumulation.global_batch_size={global_batch} is not a multiple of "
             f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}")
     return global_batch // per_step
+
+
+def flatten(container, prefix: str = "") -> dict:
+    """{"model.width": 128, ...} from nested dicts (for naming a differing setting)."""
+    if not isinstance(container, dict):
+        return {prefix: container}
+    flat = {}
+    for key, value in container.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat

@@ -1,6 +1,8 @@
 """Datasets and samplers: the train split is sharded by DistributedSampler, evaluation by
 contiguous shards that never pad or repeat a sample."""
 
+import itertools
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -70,11 +72,25 @@ class ContiguousSampler(Sampler[int]):
         return self.end - self.start
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way (`start`: local samples to skip), so
+    a mid-epoch resume draws exactly the batches the uninterrupted run would have drawn, without
+    loading the skipped ones."""
+
+    start = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 def train_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int, seed: int):
     """The train loader and its DistributedSampler (num_replicas=1 in single mode, so every mode
     sees the same global batches). The sampler pads to a multiple of the world size; the loop
     gives padded samples zero weight (see accumulate.EpochLayout). Call sampler.set_epoch."""
-    sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True,
+    sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True,
                                  seed=seed, drop_last=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         generator=torch.Generator().manual_seed(seed),  # not the global RNG

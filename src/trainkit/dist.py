@@ -52,6 +52,21 @@ class Dist:
             dist.broadcast(tensor, src=0)
         return tensor
 
+    def gather_object(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        if not self.distributed:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def any(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank when the flag is set on any rank (so all ranks take one branch)."""
+        flag = torch.as_tensor(flag, dtype=torch.int32, device=self.device).reshape(1)
+        if self.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -80,9 +95,31 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600) ->
     if launched_by_torchrun():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_store(world_size, timeout), rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
     return Dist(rank, local_rank, world_size, device)
+
+
+def _store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's own store, under a prefix for this restart round, or None (env:// default).
+
+    torchrun --max-restarts keeps its store across restart rounds; a restarted round that meets
+    the failed round's keys fails with "Gloo connectFullMesh failed" (torch 2.14.1). A fresh
+    prefix per round (TORCHELASTIC_RESTART_COUNT) keeps the rounds apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Did a collective fail because another rank died or stopped answering? (gloo and NCCL
+    raise DistBackendError, or a RuntimeError naming themselves from inside autograd.)"""
+    text = str(error).lower()
+    return dist.is_initialized() and (isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text)
 
 
 def teardown() -> None:

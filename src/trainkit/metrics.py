@@ -12,9 +12,18 @@ from omegaconf import DictConfig, OmegaConf
 class MetricsLogger:
     """Rank 0's logger. Use as a context manager: W&B's finish() runs even when training fails."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig):
-        self.file = open(Path(run_dir) / "metrics.jsonl", "a")
-        self.wandb = _start_wandb(run_dir, cfg) if cfg.logger.name == "wandb" else None
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, wandb_id: str | None):
+        path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and path.exists():  # rows past the checkpoint will be logged again
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+        self.wandb = _start_wandb(run_dir, cfg, wandb_id) if cfg.logger.name == "wandb" else None
+
+    @property
+    def run_id(self) -> str | None:
+        """The W&B run id, saved in checkpoints so a resumed run continues the same W&B run."""
+        return self.wandb.id if self.wandb is not None else None
 
     def log(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")
@@ -34,6 +43,8 @@ class MetricsLogger:
 class NullLogger:
     """What every rank but 0 gets: logging is a no-op there."""
 
+    run_id = None
+
     def log(self, row: dict) -> None:
         pass
 
@@ -44,8 +55,11 @@ class NullLogger:
         pass
 
 
-def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool):
-    return MetricsLogger(run_dir, cfg) if is_main else NullLogger()
+def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool, resume: dict | None = None):
+    """resume: the checkpoint a run continues from (its step and W&B run id), or None."""
+    if not is_main:
+        return NullLogger()
+    return MetricsLogger(run_dir, cfg, resume and resume["progress"]["step"], resume and resume["wandb_run_id"])
 
 
 def wandb_mode() -> str:
@@ -62,12 +76,13 @@ def wandb_mode() -> str:
     return "online" if any("wandb" in host for host in hosts) else "offline"
 
 
-def _start_wandb(run_dir: Path, cfg: DictConfig):
+def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
     import wandb
 
     return wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
                       tags=list(cfg.logger.tags), dir=str(run_dir), mode=wandb_mode(),
-                      config=OmegaConf.to_container(cfg, resolve=True))
+                      config=OmegaConf.to_container(cfg, resolve=True), id=run_id,
+                      resume="allow" if run_id else None)
 
 
 class TrainMeter:
@@ -76,34 +91,60 @@ class TrainMeter:
 
     def __init__(self, d, comm):
         self.d, self.comm = d, comm
-        self.samples = 0
+        self.samples = self.skipped = 0
+        self.window_loss = torch.zeros((), dtype=torch.float64, device=d.device)
         self._reset()
 
     def _reset(self):
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
         self.norm_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
-        self.steps = self.window_samples = 0
+        self.steps = self.window_samples = self.row_skipped = self.row_samples = 0
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
         self.started = time.perf_counter()
 
     def add_micro_step(self, loss_sum: torch.Tensor) -> None:
         """loss_sum: this rank's summed per-sample loss of one micro-batch (padding weighs 0)."""
-        self.loss_sum += loss_sum.detach()
+        self.window_loss += loss_sum.detach()
 
-    def add_step(self, grad_norm: torch.Tensor, samples: int) -> None:
-        """grad_norm: the global pre-clip norm; samples: the window's real samples, all ranks."""
-        self.norm_sum += grad_norm.detach()
+    def add_step(self, grad_norm: torch.Tensor, samples: int, skipped: bool = False) -> None:
+        """grad_norm: the global pre-clip norm; samples: the window's real samples, all ranks;
+        skipped: the window had a non-finite loss or gradient and was dropped."""
         self.steps += 1
-        self.window_samples += samples
         self.samples += samples
+        self.row_samples += samples
+        if skipped:
+            self.skipped += 1
+            self.row_skipped += 1
+        else:
+            self.loss_sum += self.window_loss
+            self.norm_sum += grad_norm.detach()
+            self.window_samples += samples
+        self.window_loss.zero_()
+
+    def state_dict(self) -> dict:
+        """The sums since the last row, so a resumed run logs the same rows."""
+        return {"loss_sum": self.loss_sum, "norm_sum": self.norm_sum, "steps": self.steps,
+                "window_samples": self.window_samples, "row_skipped": self.row_skipped,
+                "samples": self.samples, "skipped": self.skipped,
+                "syncs": self.comm.syncs - self.syncs, "bytes": self.comm.bytes - self.bytes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_sum.copy_(state["loss_sum"])
+        self.norm_sum.copy_(state["norm_sum"])
+        for key in ("steps", "window_samples", "row_skipped", "samples", "skipped"):
+            setattr(self, key, state[key])
+        self.syncs, self.bytes = self.comm.syncs - state["syncs"], self.comm.bytes - state["bytes"]
 
     def row(self) -> dict:
         """Means since the last row; an all-reduce, so every rank must call it at the same step."""
-        loss = self.d.all_reduce_sum(self.loss_sum).item() / self.window_samples
+        loss_sum = self.d.all_reduce_sum(self.loss_sum).item()
+        counted = self.steps - self.row_skipped
         elapsed = time.perf_counter() - self.started
-        row = {"loss": loss, "grad_norm": self.norm_sum.item() / self.steps, "samples": self.samples,
+        row = {"loss": loss_sum / self.window_samples if counted else float("nan"),
+               "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),
+               "samples": self.samples,
                "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
                "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
-               "samples_per_s": self.window_samples / elapsed}
+               "samples_per_s": self.row_samples / elapsed, "skipped_steps": self.skipped}
         self._reset()
         return row

@@ -15,8 +15,8 @@ def mlp(in_shape, num_classes: int, width: int = 128, depth: int = 2, dropout: f
     return nn.Sequential(*layers)
 
 
-def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Module:
-    """Two conv-BatchNorm-ReLU stages and a linear head: the small model with BatchNorm."""
+def cnn(in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0) -> nn.Module:
+    """Three conv-BatchNorm-ReLU layers and a linear head: the small model with BatchNorm."""
 
     def stage(cin, cout):
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
@@ -24,7 +24,7 @@ def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Module:
     return nn.Sequential(
         *stage(in_channels, width), *stage(width, width), nn.MaxPool2d(2),
         *stage(width, 2 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(2 * width, num_classes))
+        nn.Dropout(dropout), nn.Linear(2 * width, num_classes))
 
 
 def resnet18(in_channels: int, num_classes: int) -> nn.Module:

@@ -1,0 +1,177 @@
+"""Checkpoints: bitwise resume after a real crash, torchrun restarts, atomic saves, clear refusals,
+non-finite losses handled on all ranks together, and a hung peer ending the job."""
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from helpers import ROOT, run_train
+from train import train
+from trainkit.checkpoint import Checkpointer, load_model
+from trainkit.config import ConfigError
+from trainkit.dist import Dist
+
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+# A BatchNorm model with dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch
+# (15 steps per epoch on one rank, 8 on two) and in the middle of a log row (rows every 3 steps).
+RUN = ["model=cnn", "model.width=8", "model.dropout=0.2", "optim=adamw", "sched=cosine", "sched.warmup_steps=3",
+       "accumulation.steps=3", "data.batch_size=32", "trainer.max_steps=20", "trainer.log_every=3",
+       "trainer.eval_every=100", "checkpoint.every=10", "checkpoint.keep=5"]
+
+
+def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
+    return ["model._target_=helpers.faulty_model", "+model.name=cnn", f"+model.fault='{fault}'",
+            f"+model.at_forward={at_forward}", f"+model.rank={rank}", f"+model.marker={marker}"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
+
+
+def assert_equal(a, b, where: str):
+    """Exact equality of nested checkpoint state: tensors bit for bit, everything else ==."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def assert_same_run(a: Path, b: Path):
+    """Same final weights, same optimizer/scheduler/RNG state at step 20, same logged rows."""
+    final_a, final_b = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    ckpt_a, ckpt_b = (torch.load(d / "checkpoints" / "step_00000020.pt", weights_only=True) for d in (a, b))
+    for key in ("optimizer", "scheduler", "ranks", "progress", "loader_generator"):
+        assert_equal(ckpt_a[key], ckpt_b[key], key)
+    assert rows(a) == rows(b)  # the same losses: the same batches were drawn after the resume
+
+
+def test_single_process_killed_after_step_10_resumes_bitwise(tmp_path):
+    marker = tmp_path / "killed"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    marker.with_name("never").touch()
+    run_train(straight, *RUN, *faulty("kill", 31, 0, marker.with_name("never")))
+    # The 31st micro-step is step 11's first: the process dies (SIGKILL) after checkpoint 10.
+    proc = run_train(crashed, *RUN, *faulty("kill", 31, 0, marker), check=False)
+    assert proc.returncode == -9 and marker.exists()
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_00000010.pt"]
+    proc = run_train(crashed, *RUN, *faulty("kill", 31, 0, marker))  # a new process, resume=auto
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    assert_same_run(straight, crashed)
+
+
+def test_torchrun_restart_after_a_killed_worker_resumes_bitwise(tmp_path):
+    marker = tmp_path / "killed"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    marker.with_name("never").touch()
+    run_train(straight, *RUN, *faulty("kill", 31, 1, marker.with_name("never")), nproc=2)
+    # Rank 1 is SIGKILLed in step 11; torchrun's elastic agent restarts both workers, which find
+    # the run dir's checkpoint 10 by themselves and finish the job.
+    proc = run_train(crashed, *RUN, *faulty("kill", 31, 1, marker), nproc=2, torchrun=("--max-restarts=1",))
+    assert marker.exists() and "resumed from" in proc.stdout
+    restart_cost = marker.with_suffix(".resumed").stat().st_mtime - marker.stat().st_mtime
+    print(f"restart cost (SIGKILL to the first resumed step): {restart_cost:.1f} s")
+    assert_same_run(straight, crashed)
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("short")
+    train(compose_cfg("trainer.max_steps=4", "checkpoint.every=2", "checkpoint.keep=1"), CPU, "single", run_dir)
+    return run_dir
+
+
+def test_keep_last_n_and_the_final_checkpoint(short_run):
+    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_00000004.pt"]
+
+
+@pytest.mark.parametrize("override,named", [
+    ("data.batch_size=16", "global_batch=32, this run has global_batch=16"),
+    ("model.width=64", "model.width=128, this run has model.width=64"),
+    ("seed=1", "seed=0, this run has seed=1"),
+])
+def test_a_resume_that_cannot_be_exact_is_refused_naming_the_difference(short_run, tmp_path, override, named):
+    resume = f"checkpoint.resume={short_run / 'checkpoints' / 'step_00000004.pt'}"
+    with pytest.raises(ConfigError, match=named):
+        train(compose_cfg("trainer.max_steps=8", resume, override), CPU, "single", tmp_path)
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys():
+    with pytest.raises(ConfigError, match=r"does not fit the model: .*size mismatch for weight"):
+        load_model(torch.nn.Linear(3, 2), torch.nn.Linear(4, 2).state_dict(), "step_1.pt")
+
+
+def test_crash_during_save_resumes_from_the_previous_checkpoint(short_run, tmp_path):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    good = (short_run / "checkpoints" / "step_00000004.pt").read_bytes()
+    (directory / "step_00000004.pt").write_bytes(good)
+    (directory / "step_00000006.pt").write_bytes(good[: len(good) // 2])  # truncated
+    (directory / "step_00000008.pt.tmp").write_bytes(good[:100])  # killed before the rename
+    checkpointer = Checkpointer(directory, every=2, keep=2, d=CPU)
+    state = checkpointer.load("auto")
+    assert state["progress"]["step"] == 4
+    assert not (directory / "step_00000008.pt.tmp").exists()  # leftovers are cleaned
+
+
+def test_auto_without_checkpoint_starts_fresh_and_keep_must_be_positive(tmp_path):
+    assert Checkpointer(tmp_path / "none", every=0, keep=1, d=CPU).load("auto") is None
+    with pytest.raises(ConfigError, match="checkpoint.keep=0"):
+        Checkpointer(tmp_path, every=0, keep=0, d=CPU)
+    with pytest.raises(ConfigError, match="no such checkpoint file"):
+        Checkpointer(tmp_path, every=0, keep=1, d=CPU).load(str(tmp_path / "missing.pt"))
+
+
+NAN = ["model=cnn", "model.width=8", "trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every=2"]
+
+
+def test_nan_on_one_rank_raise_stops_every_rank_before_stepping(tmp_path):
+    proc = run_train(tmp_path, *NAN, *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, check=False, timeout=180)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: non-finite loss or gradient at step 5 (trainer.on_nonfinite=raise; skip drops such windows)"]
+    assert not (tmp_path / "model.pt").exists()
+    last = torch.load(tmp_path / "checkpoints" / "step_00000004.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in last["model"].values())
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002.pt", "step_00000004.pt"]
+
+
+def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
+    run_train(tmp_path, *NAN, "trainer.on_nonfinite=skip", *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, timeout=180)
+    log = rows(tmp_path)
+    assert [r["skipped_steps"] for r in log if "loss" in r] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert math.isnan(log[4]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(log) if i != 4)
+    assert log[-1]["step"] == 8
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path):
+    started = time.monotonic()
+    proc = run_train(tmp_path, *NAN, "parallel.timeout_s=3", *faulty("hang", 3, 1, tmp_path / "m"), nproc=2,
+                     check=False, timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "error: a collective failed, a peer rank died or hangs (parallel.timeout_s=3)" in proc.stderr
+    assert elapsed < 60, elapsed  # start-up (~10 s) + the 3 s timeout, not the 600 s default

@@ -4,7 +4,6 @@ sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: co
 Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 """
 import math
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -20,12 +19,10 @@ from trainkit.checkpoint import Checkpointer, check_compatible, restore, snapsho
 from trainkit.config import ConfigError, RunError
 from trainkit.data import eval_loader, train_loader
 from trainkit.evaluate import evaluate
+from trainkit.inference import autocast_for
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import resolve_mode, unwrap, wrap
 from trainkit.rng import seed_all
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     seed_all(cfg.seed)  # the same initial weights on every rank
@@ -46,12 +43,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     epochs = math.ceil(total_steps / steps_per_epoch)
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped parameters.
-    model, comm = wrap(instantiate(cfg.model), mode, d)
+    model, comm = wrap(instantiate(cfg.model), mode, d, cfg.parallel.sync_bn)
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
     precision = cfg.trainer.precision
-    autocast = partial(torch.autocast, d.device.type, dtype=DTYPES.get(precision), enabled=precision in DTYPES)
+    autocast = autocast_for(precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm)

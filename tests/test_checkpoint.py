@@ -118,7 +118,7 @@ def test_a_resume_that_cannot_be_exact_is_refused_naming_the_difference(short_ru
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys():
-    with pytest.raises(ConfigError, match=r"does not fit the model: .*size mismatch for weight"):
+    with pytest.raises(ConfigError, match=r"step_1.pt does not fit the model: other shape weight$"):
         load_model(torch.nn.Linear(3, 2), torch.nn.Linear(4, 2).state_dict(), "step_1.pt")
 
 

@@ -119,3 +119,10 @@ def test_linear_regression_two_ranks_k4_b1_equals_one_process_b8_and_closed_form
     np.testing.assert_allclose(single.numpy(), expected, rtol=1e-12, atol=1e-12)
     for weights in ranks:
         np.testing.assert_allclose(weights.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_sync_bn_is_skipped_with_one_process(capsys):
+    model, _ = wrap(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)), "single",
+                    Dist(0, 0, 1, torch.device("cpu")), sync_bn=True)
+    assert type(model[1]) is nn.BatchNorm2d
+    assert "parallel.sync_bn=true: one process, so BatchNorm stays as it is" in capsys.readouterr().out

@@ -72,3 +72,33 @@ def test_two_ranks_k2_b8_equal_one_process_b32(single_b32, tmp_path, strategy, s
     assert all(r["comm/grad_syncs"] == syncs for r in ddp_rows if "loss" in r)
     param_bytes = sum(t.numel() * t.element_size() for t in weights(tmp_path).values())
     assert all(r["comm/grad_bytes"] == syncs * param_bytes for r in ddp_rows if "loss" in r)
+
+
+SYNC_BN = ["model=cnn", "model.width=8", "trainer.max_steps=12", "trainer.log_every=4", "optim=adamw",
+           "trainer.clip_grad_norm=1.0"]
+
+
+@pytest.fixture(scope="module")
+def single_cnn_b32(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cnn")
+    run_train(run_dir, *SYNC_BN, "data.batch_size=32")
+    return weights(run_dir)
+
+
+@pytest.mark.parametrize("sync_bn", [True, False])
+def test_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(single_cnn_b32, tmp_path, sync_bn):
+    proc = run_train(tmp_path, *SYNC_BN, "data.batch_size=16", f"parallel.sync_bn={sync_bn}", nproc=2)
+    got = weights(tmp_path)
+    buffers = [k for k in got if "running" in k or "num_batches_tracked" in k]
+    assert len(buffers) == 9 and all(torch.equal(got[k], single_cnn_b32[k]) for k in buffers if "num_batches" in k)
+    if sync_bn:  # statistics of the global batch of 32: the same weights and running statistics
+        assert_same_weights(got, single_cnn_b32, atol=1e-5)
+        assert "FutureWarning" not in proc.stderr
+    else:  # plain BatchNorm normalises each rank's 16 alone: the check above would fail
+        assert max((got[k] - single_cnn_b32[k]).abs().max().item() for k in buffers) > 1e-3
+
+
+def test_sync_bn_resnet18_under_ddp(tmp_path):
+    run_train(tmp_path, "model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=16",
+              "data.batch_size=8", "trainer.max_steps=2", "parallel.sync_bn=true", nproc=2)
+    assert weights(tmp_path)["bn1.num_batches_tracked"].item() == 2

@@ -109,13 +109,23 @@ def check_compatible(saved: dict, current: dict) -> None:
                               "(start a new run dir, or pass checkpoint.resume=null)")
 
 
-def load_model(module: torch.nn.Module, state_dict: dict, source: str) -> None:
-    """load_state_dict with an error that names what does not fit."""
+def load_model(module: torch.nn.Module, state_dict, source) -> None:
+    """load_state_dict with a one-line error naming the keys that do not fit (torch's message
+    lists every key on its own line)."""
     try:
         module.load_state_dict(state_dict)
-    except RuntimeError as error:
-        lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
-        raise ConfigError(f"{source} does not fit the model: {' '.join(lines)[:400]}") from None
+    except (RuntimeError, TypeError, AttributeError):
+        expected = module.state_dict()
+        state_dict = state_dict if isinstance(state_dict, dict) else {}
+        problems = {
+            "missing": [k for k in expected if k not in state_dict],
+            "unexpected": [k for k in state_dict if k not in expected],
+            "other shape": [k for k in expected if k in state_dict and hasattr(state_dict[k], "shape")
+                            and state_dict[k].shape != expected[k].shape],
+        }
+        brief = "; ".join(f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+                          for what, keys in problems.items() if keys)
+        raise ConfigError(f"{source} does not fit the model: {brief or 'not a state_dict'}") from None
 
 
 def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, epoch_generator: torch.Tensor,

@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
+from trainkit.syncbn import convert_sync_batchnorm
 
 
 def resolve_mode(mode: str, world_size: int, under_torchrun: bool) -> str:
@@ -42,14 +43,32 @@ def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def wrap(model: nn.Module, mode: str, d: Dist) -> tuple[nn.Module, CommStats]:
-    """Move the model to its device and wrap it for `mode`; returns the counters of its syncs."""
+def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False) -> tuple[nn.Module, CommStats]:
+    """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
+    for `mode`; returns the counters of its gradient syncs."""
     stats = CommStats()
     model = model.to(d.device)
+    if sync_bn:
+        model, sync_bn = _sync_batchnorm(model, d)
     if mode == "ddp":
-        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        # With SyncBN the running statistics are identical on every rank already: DDP's
+        # broadcast of rank 0's buffers before every forward would only cost time.
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                    forward_sync_buffers=not sync_bn)
         model.register_comm_hook(stats, _counting_allreduce)
     return model, stats
+
+
+def _sync_batchnorm(model: nn.Module, d: Dist) -> tuple[nn.Module, bool]:
+    """BatchNorm -> SyncBN (torch's on CUDA, trainkit's elsewhere); False when there is nothing
+    to synchronise (one process)."""
+    if d.world_size == 1:
+        d.print0("parallel.sync_bn=true: one process, so BatchNorm stays as it is (nothing to sync)")
+        return model, False
+    model, skipped = convert_sync_batchnorm(model)
+    if skipped:
+        d.print0(f"warning: parallel.sync_bn: left alone, not torch BatchNorm subclasses: {', '.join(skipped)}")
+    return model, True
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -1,0 +1,116 @@
+"""Predict with a finished training run: `python src/predict.py run_dir=outputs/<date>/<time>` or
+`torchrun --nproc_per_node=N src/predict.py run_dir=...`. Config: conf/predict.yaml.
+
+Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt, predicts
+each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
+predictions.csv and metrics.json into this job's own run dir: the same files for any N.
+"""
+import json
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from trainkit import dist
+from trainkit.checkpoint import load_model
+from trainkit.config import ConfigError, user_error
+from trainkit.data import eval_loader
+from trainkit.inference import autocast_for, predict
+
+SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
+
+
+def load_run_config(cfg: DictConfig) -> DictConfig:
+    """The training run's composed config; one-line errors for what is missing or wrong."""
+    if OmegaConf.is_missing(cfg, "run_dir"):
+        raise ConfigError("run_dir is required: python src/predict.py run_dir=<dir of a training run>")
+    run_dir = Path(cfg.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run_dir={run_dir} does not exist")
+    for name in (".hydra/config.yaml", "model.pt"):  # model.pt appears when training has finished
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"run_dir={run_dir} has no {name}: not a finished training run")
+    if cfg.split not in SPLITS:
+        raise ConfigError(f"split={cfg.split} is not one of: {', '.join(SPLITS)}")
+    if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
+        raise ConfigError(f"batch_size={cfg.batch_size} must be null or a positive integer")
+    return OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")  # never unpickle code
+    except Exception as error:
+        # torch's message runs over many lines; the type is enough to tell corrupt from unsafe.
+        raise ConfigError(f"{path} is no state_dict that torch.load(weights_only=True) reads "
+                          f"({type(error).__name__})") from None
+    load_model(model, state, f"{path} (the run's model config)")
+
+
+def metrics_of(logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Loss and accuracy from the gathered full arrays, in dataset order: the same numbers for
+    any world size (per-rank partial sums would be added in a W-dependent order)."""
+    # Per-sample loss in float32 (as evaluate does), summed in float64 in a fixed order.
+    loss = F.cross_entropy(logits, targets, reduction="none").double().sum().item()
+    correct = (logits.argmax(dim=1) == targets).sum().item()
+    return {"loss": loss / len(targets), "accuracy": correct / len(targets), "samples": len(targets)}
+
+
+def write_predictions(path: Path, logits: torch.Tensor, targets: torch.Tensor, probs: bool) -> None:
+    """index,target,prediction[,prob_0..prob_{C-1}]: one row per sample, in dataset order."""
+    header = ["index", "target", "prediction"]
+    if probs:
+        header += [f"prob_{c}" for c in range(logits.shape[1])]
+    prob_rows = logits.softmax(dim=1).tolist() if probs else [[]] * len(targets)
+    rows = zip(targets.tolist(), logits.argmax(dim=1).tolist(), prob_rows)
+    with open(path, "w") as f:
+        f.write(",".join(header) + "\n")
+        for index, (target, prediction, p) in enumerate(rows):
+            f.write(",".join([str(index), str(target), str(prediction), *(f"{v:.6g}" for v in p)]) + "\n")
+
+
+def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> float:
+    run_dir = Path(cfg.run_dir)
+    autocast = autocast_for(cfg.trainer.precision, d.device)
+    with d.rank0_first():  # rank 0 prepares (downloads) the data first
+        dataset = instantiate(run_cfg.data.splits)[SPLITS.index(cfg.split)]
+    if len(dataset) == 0:
+        raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
+    batch_size = cfg.batch_size or run_cfg.data.batch_size
+    # Contiguous shards: every sample exactly once, and rank order is dataset order.
+    loader = eval_loader(dataset, d, batch_size, run_cfg.data.num_workers)
+    model = instantiate(run_cfg.model)
+    load_weights(model, run_dir / "model.pt")
+    d.print0(f"predict | run dir {run_dir} | split={cfg.split} ({len(dataset)} samples) | {d.world_size} "
+             f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}")
+
+    out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
+    metrics = metrics_of(out["logits"], out["targets"])
+    if d.is_main:
+        write_predictions(out_dir / "predictions.csv", out["logits"], out["targets"], cfg.predict.probs)
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    d.print0(f"done: accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} on {metrics['samples']} "
+             f"{cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json")
+    return metrics["accuracy"]
+
+
+@hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    try:
+        run_cfg = load_run_config(cfg)  # before the process group: fail fast, on every rank alike
+        d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+        return run(cfg, run_cfg, d, Path(HydraConfig.get().runtime.output_dir))
+    except Exception as error:
+        if (known := user_error(error)) is None:
+            raise
+        dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Distributed inference: each rank predicts its contiguous shard (data.eval_loader), and
+`gather` reassembles the per-rank results into dataset order, equal to a single-process run."""
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from trainkit.config import PRECISIONS, ConfigError
+from trainkit.dist import Dist
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_for(precision: str, device: torch.device):
+    """A zero-argument context factory: autocast for bf16/fp16, a null context for fp32."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={precision} is not one of: {', '.join(PRECISIONS)}")
+    if precision not in _DTYPES:
+        return contextlib.nullcontext
+    return partial(torch.autocast, device.type, dtype=_DTYPES[precision])
+
+
+def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0 in rank order, returned on every rank.
+
+    Ranks may hold different numbers of rows (contiguous shards differ by one; with fewer
+    samples than ranks some hold none). all_gather needs equal shapes on every backend (nccl
+    too), so each rank pads to the largest shard and the padding is cut off again using the
+    gathered shapes. An empty rank may pass any empty tensor of the right ndim and dtype (its
+    trailing dims are taken from a non-empty rank). For contiguous shards, rank order is dataset
+    order. Without a process group: `tensor` itself.
+    """
+    if not d.distributed:
+        return tensor
+    world = dist.get_world_size()
+    shape = torch.tensor(tensor.shape, dtype=torch.long, device=tensor.device)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    dist.all_gather(shapes, shape)
+    sizes = [int(s[0]) for s in shapes]
+    if max(sizes) == 0:  # nothing anywhere: skip the zero-size collective
+        return tensor
+    full_shape = shapes[sizes.index(max(sizes))].tolist()
+    padded = tensor.new_zeros(full_shape)
+    if len(tensor):  # an empty rank's trailing dims may differ (e.g. 0 x 0): nothing to copy
+        padded[:len(tensor)] = tensor
+    chunks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(chunks, padded)
+    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)])
+
+
+@torch.inference_mode()
+def predict(model: torch.nn.Module, loader, d: Dist, autocast=contextlib.nullcontext) -> dict[str, torch.Tensor]:
+    """Logits (float32, N x C) and targets (N) of the whole data set, in dataset order, on every
+    rank (CPU tensors). `loader` reads this rank's contiguous shard (data.eval_loader); `model`
+    is the plain module, equal on every rank (no DDP wrapper: shards differ in batch count)."""
+    model.eval()
+    logits, targets = [], []
+    for x, y in loader:
+        with autocast():
+            out = model(x.to(d.device, non_blocking=True))
+        logits.append(out.float())  # float32 whatever the autocast dtype: ranks must agree
+        targets.append(y.to(d.device))
+    # An empty shard (fewer samples than ranks) still joins both collectives.
+    local_logits = torch.cat(logits) if logits else torch.empty(0, 0, device=d.device)
+    local_targets = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=d.device)
+    return {"logits": gather(local_logits, d).cpu(), "targets": gather(local_targets, d).cpu()}

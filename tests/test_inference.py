@@ -1,0 +1,159 @@
+"""Distributed inference sees every sample exactly once, in dataset order, on any number of ranks:
+contiguous shards, the unequal-length gather, and src/predict.py on 1, 2 and 3 ranks."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import TensorDataset
+
+from helpers import run_distributed, run_train
+from trainkit.data import ContiguousSampler, digits, eval_loader, shard_bounds
+from trainkit.dist import Dist
+from trainkit.inference import gather, predict
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_samples", [1, 3, 6, 82, 99, 512])
+def test_contiguous_shards_cover_every_sample_once_in_order(num_samples, world_size):
+    shards = [list(ContiguousSampler(num_samples, world_size, rank)) for rank in range(world_size)]
+    # Concatenated in rank order they are exactly range(N): disjoint, complete, no padding, and
+    # rank order is dataset order (what gather relies on).
+    assert [i for shard in shards for i in shard] == list(range(num_samples))
+    for rank, shard in enumerate(shards):
+        start, end = shard_bounds(num_samples, world_size, rank)
+        assert shard == list(range(start, end)) and len(ContiguousSampler(num_samples, world_size, rank)) == end - start
+    sizes = [len(shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+    if num_samples < world_size:  # the last ranks are empty, nobody gets a padded repeat
+        assert sizes == [1] * num_samples + [0] * (world_size - num_samples)
+
+
+# (N, trailing shape, dtype): N=2 and N=0 leave ranks of a 3-rank world empty.
+GATHER_CASES = [(2, (), torch.long), (7, (3,), torch.float32), (10, (4, 2), torch.float64), (0, (5,), torch.float32)]
+
+
+def _dataset_of(num_samples, trailing, dtype):
+    return torch.arange(num_samples * torch.Size(trailing).numel()).to(dtype).view(num_samples, *trailing)
+
+
+def _toy():
+    """A linear model and 7 samples (3 ranks: shards of 3, 2, 2; its first 2 samples: 1, 1, 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, TensorDataset(torch.randn(7, 4), torch.randint(0, 3, (7,)))
+
+
+def _gather_and_predict(rank, world_size):
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    gathered = []
+    for num_samples, trailing, dtype in GATHER_CASES:
+        start, end = shard_bounds(num_samples, world_size, rank)
+        gathered.append(gather(_dataset_of(num_samples, trailing, dtype)[start:end], d))
+    # An empty rank may hand in any empty tensor of the right ndim (predict does: it has no logits).
+    start, end = shard_bounds(2, world_size, rank)
+    ragged = torch.ones(end - start, 6) if end > start else torch.empty(0, 0)
+    model, data = _toy()
+    return {"gathered": gathered, "ragged": gather(ragged, d),
+            "predict": predict(model, eval_loader(data, d, 4, 0), d),
+            "predict_tiny": predict(model, eval_loader(TensorDataset(*data[:2]), d, 4, 0), d)}
+
+
+def test_gather_and_predict_on_3_ranks_equal_one_process_in_dataset_order():
+    ranks = run_distributed(_gather_and_predict, 3)
+    single = Dist(0, 0, 1, torch.device("cpu"))
+    model, data = _toy()
+    expected = predict(model, eval_loader(data, single, 4, 0), single)
+    expected_tiny = predict(model, eval_loader(TensorDataset(*data[:2]), single, 4, 0), single)
+    for result in ranks:  # every rank gets the whole result
+        for case, got in zip(GATHER_CASES, result["gathered"]):
+            want = _dataset_of(*case)
+            assert got.dtype == want.dtype and torch.equal(got, want), case
+        assert torch.equal(result["ragged"], torch.ones(2, 6))
+        for got, want in ((result["predict"], expected), (result["predict_tiny"], expected_tiny)):
+            assert torch.equal(got["targets"], want["targets"])
+            torch.testing.assert_close(got["logits"], want["logits"])  # a row out of order is far off
+    assert torch.equal(expected["targets"], data.tensors[1])  # dataset order
+
+
+# --- src/predict.py end to end, from a 2-rank DDP training run of the BatchNorm cnn -------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("train")
+    run_train(run_dir, "parallel=ddp", "model=cnn", "trainer.max_steps=30", nproc=2)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def predicted(trained, tmp_path_factory) -> dict:
+    """predict.py on 1, 2 and 3 ranks: world size -> (its run dir, its stdout)."""
+    out = {}
+    for world_size in (1, 2, 3):
+        run_dir = tmp_path_factory.mktemp(f"predict{world_size}")
+        proc = run_train(run_dir, f"run_dir={trained}", "predict.probs=true", nproc=world_size,
+                         script="src/predict.py")
+        out[world_size] = run_dir, proc.stdout
+    return out
+
+
+def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicted):
+    files = {w: ((d / "predictions.csv").read_bytes(), (d / "metrics.json").read_text())
+             for w, (d, _) in predicted.items()}
+    assert files[1] == files[2] == files[3]
+
+    lines = files[1][0].decode().splitlines()
+    assert lines[0] == "index,target,prediction," + ",".join(f"prob_{c}" for c in range(10))
+    rows = [line.split(",") for line in lines[1:]]
+    _, val = digits()
+    assert [int(r[0]) for r in rows] == list(range(len(val)))  # every sample once, in order
+    assert [int(r[1]) for r in rows] == val.tensors[1].tolist()  # the targets of those samples
+    probs = torch.tensor([[float(p) for p in r[3:]] for r in rows])
+    torch.testing.assert_close(probs.sum(dim=1), torch.ones(len(rows)), rtol=0, atol=1e-4)
+    assert [int(r[2]) for r in rows] == probs.argmax(dim=1).tolist()
+
+    metrics = json.loads(files[1][1])
+    assert metrics["samples"] == len(val)
+    assert metrics["accuracy"] == sum(r[1] == r[2] for r in rows) / len(rows)
+    for _, stdout in predicted.values():  # rank 0 alone reports
+        assert stdout.count("predict | run dir") == 1 and stdout.count("done: accuracy") == 1
+
+
+def test_val_metrics_of_a_2_rank_training_run_equal_predict(trained, predicted):
+    val = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()][-1]
+    metrics = json.loads((predicted[1][0] / "metrics.json").read_text())
+    assert val["val/acc"] == metrics["accuracy"]
+    assert val["val/loss"] == pytest.approx(metrics["loss"], rel=0, abs=1e-6)
+
+
+# --- errors: one line, exit status 2, no traceback --------------------------------------------
+
+def _broken_run(trained: Path, tmp: Path, kind: str) -> Path:
+    run_dir = tmp / kind
+    (run_dir / ".hydra").mkdir(parents=True)
+    run_cfg = OmegaConf.load(trained / ".hydra" / "config.yaml")
+    if kind == "mismatched":  # the trained weights, but a config asking for a narrower cnn
+        run_cfg.model.width = 16
+        shutil.copy(trained / "model.pt", run_dir / "model.pt")
+    OmegaConf.save(run_cfg, run_dir / ".hydra" / "config.yaml")
+    return run_dir
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "does not exist"),
+    ("no_model", "has no model.pt: not a finished training run"),
+    ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
+    ("split", "split=test is not one of: train, val"),
+])
+def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
+    overrides = {"missing": [f"run_dir={tmp_path / 'nope'}"],
+                 "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
+                 "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
+                 "split": [f"run_dir={trained}", "split=test"]}[case]
+    proc = run_train(tmp_path / "out", *overrides, script="src/predict.py", check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
-"""Train a model: `python src/train.py`, `torchrun --nproc_per_node=N src/train.py parallel=ddp`,
-sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: conf/.
+"""Train a model: `python src/train.py`, `torchrun --nproc_per_node=N src/train.py parallel=ddp`
+(or parallel=fsdp), sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: conf/.
 
 Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 """
@@ -15,13 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
-from trainkit.checkpoint import Checkpointer, check_compatible, restore, snapshot
+from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
 from trainkit.config import ConfigError, RunError
 from trainkit.data import eval_loader, train_loader
 from trainkit.evaluate import evaluate
 from trainkit.inference import autocast_for
 from trainkit.metrics import TrainMeter, make_logger
-from trainkit.parallel import resolve_mode, unwrap, wrap
+from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.rng import seed_all
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
@@ -33,6 +33,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
         train_set, val_set = instantiate(cfg.data.splits)
     loader, sampler = train_loader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed)
     val_loader = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
+    if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
+        val_loader = EqualBatches(val_loader, d.world_size)
     K = config.accumulation_steps(cfg, d.world_size)
     layout = EpochLayout(len(train_set), d.world_size, d.rank, cfg.data.batch_size, K)
     steps_per_epoch = layout.windows(cfg.data.drop_last)
@@ -42,8 +44,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
 
-    # Model, wrapped for the parallel mode; the optimizer is built on the wrapped parameters.
-    model, comm = wrap(instantiate(cfg.model), mode, d, cfg.parallel.sync_bn)
+    # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
+    model, comm = wrap(instantiate(cfg.model), mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision,
+                       shard_units=cfg.parallel.get("shard_units"),
+                       reshard_after_forward=cfg.parallel.get("reshard_after_forward", True))
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
@@ -54,7 +58,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     meter = TrainMeter(d, comm)
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d,
+                                sharded=mode == "fsdp")  # FSDP: each rank writes its shards (DCP)
     identity = {"global_batch": layout.global_batch, "seed": cfg.seed,
                 **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
                 **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits")}
@@ -88,11 +93,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
                 # One optimizer step: the global window of up to K micro-batches per rank.
                 micro_steps, samples = layout.micro_steps(window), layout.window_samples(window)
                 # The gradient is the mean over the window's real samples of all ranks, also for
-                # a short last window. DDP averages over ranks, hence the factor world_size.
+                # a short last window. DDP and FSDP average over ranks, hence the factor world_size.
                 scale = d.world_size / samples
                 for k in range(micro_steps):
                     x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
-                    # no_sync wraps forward AND backward: DDP arms its all-reduce in forward.
+                    # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
+                    # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                     with sync_context(model, syncs_now(cfg.accumulation.strategy, k, micro_steps)):
                         with autocast():
                             losses = F.cross_entropy(model(x), y, reduction="none")
@@ -104,6 +110,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
                     meter.add_micro_step(loss_sum)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor over the gradient shards
                 lr = scheduler.get_last_lr()[0]
                 # All ranks decide together (one all-reduced flag, one host sync per step): a rank
                 # skipping alone would hang the others. fp16 overflows are GradScaler's to skip.
@@ -134,12 +141,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
                     done = window + 1 == steps_per_epoch
                     progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                     checkpointer.save(step, snapshot(unwrap(model), optimizer, scheduler, scaler, meter, progress,
-                                                     epoch_generator, identity, logger.run_id))
+                                                     epoch_generator, identity, logger.run_id, d))
 
     if not val:  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_loader, d, autocast)
+    final = full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
-        torch.save(unwrap(model).state_dict(), run_dir / "model.pt")
+        torch.save(final, run_dir / "model.pt")
     d.print0(f"done: {step} steps, val acc {val['val/acc']:.4f}; wrote {run_dir / 'model.pt'}")
     return val["val/acc"]
 

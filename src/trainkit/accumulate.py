@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -68,11 +69,29 @@ def syncs_now(strategy: str, micro_step: int, micro_steps: int) -> bool:
 
 
 def sync_context(model: torch.nn.Module, sync: bool):
-    """Skip DDP's gradient all-reduce for this micro-step unless `sync`.
+    """Skip the gradient sync (DDP's all-reduce, FSDP2's reduce-scatter) for this micro-step
+    unless `sync`.
 
     Wrap forward AND backward: DDP arms its reducer in forward, so a backward-only no_sync()
-    still all-reduces (tests/test_accumulate.py shows it). A null context without DDP.
+    still all-reduces (tests/test_ddp.py shows it). A null context without DDP or FSDP.
     """
+    if isinstance(model, FSDPModule):
+        return _fsdp_sync(model, sync)
     if sync or not isinstance(model, DDP):
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+@contextlib.contextmanager
+def _fsdp_sync(model: FSDPModule, sync: bool):
+    """FSDP2's no_sync: without gradient sync, each unit keeps its *unsharded* gradient and
+    accumulates into it locally (a full gradient's memory until the window's last micro-step,
+    which reduce-scatters the sum once); not the last backward, so FSDP does not finalise it.
+    Both flags are back to True (FSDP's default) after the micro-step."""
+    model.set_requires_gradient_sync(sync)
+    model.set_is_last_backward(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_is_last_backward(True)

@@ -1,82 +1,113 @@
-"""Checkpoints that resume bit for bit: atomic single-file saves, keep-last-N, auto-resume.
+"""Checkpoints that resume bit for bit: atomic saves, keep-last-N, auto-resume.
 
-A checkpoint is `checkpoints/step_<N>.pt`, written by rank 0 as `<name>.tmp`, fsynced, then
-renamed: the rename is the commit marker, so a crash mid-save leaves the previous checkpoint
-as the newest complete one. Old checkpoints are deleted only after the new one is complete.
-Files are read with `weights_only=True` (tensors and plain containers only), so everything in
-a checkpoint is a tensor or a plain Python value, RNG states included.
+Single / DDP: `checkpoints/step_<N>.pt`, written by rank 0 as `<name>.tmp`, fsynced, then
+renamed. FSDP: the directory `checkpoints/step_<N>/`, written as `step_<N>.tmp/`: every rank
+writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP,
+whose `.metadata`, written last by rank 0, commits the shard files), rank 0 adds `state.pt`
+(everything else) and renames the directory. Either way the rename is the commit marker, so a
+crash mid-save leaves the previous checkpoint as the newest complete one. Old checkpoints are
+deleted only after the new one is complete. `.pt` files are read with `weights_only=True`
+(tensors and plain containers only), so everything in them is a tensor or a plain Python
+value, RNG states included.
 
-torch.distributed.checkpoint is not used for single/DDP: it unpickles its metadata and
-non-tensor items with weights_only=False, and DDP's replicated state fits one file.
+DCP is not used for single/DDP: it unpickles its `.metadata` (and non-tensor items) without
+weights_only, and DDP's replicated state fits one file. Resume FSDP checkpoints you trust only.
 """
 import os
 import re
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainkit.config import ConfigError, RunError
 from trainkit.dist import Dist
-from trainkit.rng import rng_state, set_rng_state
+from trainkit.rng import rng_state, seed_all, set_rng_state
 
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
 class Checkpointer:
-    """Saves every `every` optimizer steps (0: only at the end), keeps the last `keep`."""
+    """Saves every `every` optimizer steps (0: only at the end), keeps the last `keep`.
+    sharded: FSDP's layout (a DCP directory per checkpoint) instead of one file."""
 
-    def __init__(self, directory: Path, every: int, keep: int, d: Dist):
+    def __init__(self, directory: Path, every: int, keep: int, d: Dist, sharded: bool = False):
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"checkpoint.keep={keep} must be a positive integer (the newest is always kept)")
         if not isinstance(every, int) or every < 0:
             raise ConfigError(f"checkpoint.every={every} must be an integer >= 0 (0: only at the end)")
-        self.directory, self.every, self.keep, self.d = Path(directory), every, keep, d
+        self.directory, self.every, self.keep, self.d, self.sharded = Path(directory), every, keep, d, sharded
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints (files and DCP directories), oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
+                 if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())]
         return [p for _, p in sorted(found)]
 
     def save(self, step: int, state: dict) -> Path:
-        """Rank 0 writes; every rank must call it: `state["ranks"]` (each rank's own part) is
-        gathered into a list indexed by rank."""
+        """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a
+        list indexed by rank; rank 0 writes it (and, unless sharded, everything else)."""
         state = dict(state, ranks=self.d.gather_object(state["ranks"]))
-        path = self.directory / f"step_{step:08d}.pt"
+        path = self.directory / f"step_{step:08d}{'' if self.sharded else '.pt'}"
+        tmp = path.with_name(path.name + ".tmp")
         if self.d.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+        if self.sharded:
+            self._save_sharded(path, tmp, state)
+        elif self.d.is_main:
+            _write(tmp, state)
             os.replace(tmp, path)  # atomic: the checkpoint exists complete, or not at all
+        if self.d.is_main:
             _fsync_dir(self.directory)
             for old in self.complete()[:-self.keep]:
-                old.unlink()
+                _remove(old)
         self.d.barrier()  # nobody runs ahead (e.g. to exit) before the checkpoint is complete
         return path
 
+    def _save_sharded(self, path: Path, tmp: Path, state: dict) -> None:
+        if self.d.is_main:
+            _remove(tmp)  # a leftover of an interrupted save
+        self.d.barrier()
+        # Each rank writes its own shards; DCP saves a tensor that every rank holds alike (not a
+        # DTensor: BatchNorm buffers) once, here from rank 0, whose buffers model.pt keeps too.
+        # dcp.save returns on rank 0 after every rank's write finished (DCP gathers their
+        # results before rank 0 writes .metadata): that is the barrier before the rename.
+        dcp.save({"model": state.pop("model"), "optimizer": state.pop("optimizer")}, checkpoint_id=tmp,
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        if self.d.is_main:
+            _write(tmp / "state.pt", state)
+            _fsync_dir(tmp)
+            _remove(path)  # only when resumed from an older checkpoint into a dir that has this step
+            os.replace(tmp, path)
+
     def load(self, resume) -> dict | None:
         """resume: null (start fresh), auto (newest complete checkpoint here, else fresh) or a
-        path. Partial leftovers are reported and removed; an unreadable file falls back to the
-        next newest."""
+        path (a .pt file or a DCP directory). Partial leftovers are reported and removed; an
+        unreadable checkpoint falls back to the next newest."""
         if resume is None:
             return None
         if resume != "auto":
             path = Path(resume)
-            if not path.is_file():
-                raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint file")
+            if not (path.is_file() or (path / ".metadata").is_file()):
+                raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint file (or DCP directory)")
             return self._read(path)
         if self.directory.is_dir():
             for leftover in self.directory.glob("*.tmp"):
                 self.d.print0(f"warning: ignoring the incomplete checkpoint {leftover} (a save was interrupted)")
                 if self.d.is_main:
-                    leftover.unlink(missing_ok=True)
+                    _remove(leftover)
         for path in reversed(self.complete()):
             try:
                 return self._read(path)
@@ -85,9 +116,28 @@ class Checkpointer:
         return None
 
     def _read(self, path: Path) -> dict:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        state["path"] = str(path)
+        """The checkpoint's state; for a DCP directory all but the model and optimizer state,
+        which restore() loads from the shards."""
+        sharded = path.is_dir()
+        if sharded and not (path / ".metadata").is_file():
+            raise OSError(f"no .metadata in {path}")
+        state = torch.load(path / "state.pt" if sharded else path, map_location="cpu", weights_only=True)
+        state["path"], state["sharded"] = str(path), sharded
         return state
+
+
+def _write(path: Path, state: dict) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -129,27 +179,67 @@ def load_model(module: torch.nn.Module, state_dict, source) -> None:
 
 
 def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, epoch_generator: torch.Tensor,
-             identity: dict, wandb_run_id: str | None) -> dict:
+             identity: dict, wandb_run_id: str | None, d: Dist) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
-    module; `epoch_generator` the loader generator's state when this epoch's iterator was made.
+    module (for FSDP: its model and optimizer state are this rank's shards, saved with DCP);
+    `epoch_generator` the loader generator's state when this epoch's iterator was made.
     Under "ranks": what differs between ranks (RNG streams, the unreduced loss sums)."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    if d.any(not all(torch.isfinite(p).all() for p in local)):  # all ranks together: all save, or none
         raise RunError(f"refusing to checkpoint non-finite weights at step {progress['step']}")
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    if isinstance(model, FSDPModule):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+    return {"model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "progress": dict(progress),
             "loader_generator": epoch_generator, "identity": identity, "wandb_run_id": wandb_run_id,
             "ranks": {"rng": rng_state(), "meter": meter.state_dict()}}
 
 
 def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) -> None:
-    """Load a checkpoint's state into the objects of a fresh run (`model` unwrapped)."""
-    saved_world = len(state["ranks"])
-    if saved_world != d.world_size:
-        raise ConfigError(f"checkpoint.resume: {state['path']} was written by {saved_world} ranks, this run has "
-                          f"{d.world_size}; per-rank RNG streams cannot be mapped exactly (use the same world size)")
-    load_model(model, state["model"], state["path"])
-    optimizer.load_state_dict(state["optimizer"])
+    """Load a checkpoint's state into the objects of a fresh run (`model` unwrapped).
+
+    Single/DDP checkpoints need the same world size. FSDP ones (DCP) load on any: DCP reshards
+    the model and optimizer state; rank 0 carries on the loss sums of the current log row; each
+    rank's RNG streams (dropout) are re-seeded from (seed, step, rank) - deterministic, but not
+    the streams an uninterrupted run would have drawn."""
+    sharded, saved_world = isinstance(model, FSDPModule), len(state["ranks"])
+    if state["sharded"] != sharded:
+        raise ConfigError(f"checkpoint.resume: {state['path']} was written with {_layout(state['sharded'])}, "
+                          f"this run has {_layout(sharded)}; resume with the same parallel mode")
+    if sharded:
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # the shapes to load into
+        # DCP reads .metadata with pickle (weights_only does not apply): trusted checkpoints only.
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=state["path"])
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    else:
+        if saved_world != d.world_size:
+            raise ConfigError(f"checkpoint.resume: {state['path']} was written by {saved_world} ranks, this run "
+                              f"has {d.world_size}; per-rank RNG streams cannot be mapped exactly (use the same "
+                              "world size, or parallel=fsdp, whose checkpoints load on any)")
+        load_model(model, state["model"], state["path"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    meter.load_state_dict(state["ranks"][d.rank]["meter"])
-    set_rng_state(state["ranks"][d.rank]["rng"])
+    if saved_world == d.world_size:
+        meter.load_state_dict(state["ranks"][d.rank]["meter"])
+        set_rng_state(state["ranks"][d.rank]["rng"])
+        return
+    counts = state["ranks"][0]["meter"]  # step, sample and sync counts: the same on every rank
+    loss_sum = sum(r["meter"]["loss_sum"] for r in state["ranks"]) if d.is_main else torch.zeros_like(counts["loss_sum"])
+    meter.load_state_dict(dict(counts, loss_sum=loss_sum))  # the row's loss is their all-reduced sum
+    seed_all(int(np.random.SeedSequence([state["identity"]["seed"], state["progress"]["step"], d.rank]).generate_state(1)[0]))
+    d.print0(f"checkpoint.resume: written by {saved_world} ranks, now {d.world_size}; per-rank RNG streams re-seeded")
+
+
+def _layout(sharded: bool) -> str:
+    return "parallel=fsdp (a DCP directory)" if sharded else "parallel=single/ddp (one file)"
+
+
+def full_state_dict(model) -> dict:
+    """The full, plain state_dict for model.pt (`model` unwrapped). FSDP: every rank must call
+    it; the shards are gathered to rank 0 (on CPU), the other ranks get {}."""
+    if isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return model.state_dict()

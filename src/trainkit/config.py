@@ -4,7 +4,7 @@ import functools
 import os
 
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -56,7 +56,7 @@ OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
-MODES = ("auto", "single", "ddp")
+MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
 
 
@@ -92,6 +92,22 @@ def check(cfg: DictConfig) -> None:
     _optional_positive("parallel.timeout_s", cfg.parallel.timeout_s)
     if not isinstance(cfg.data.num_workers, int) or cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0")
+    if cfg.parallel.mode == "fsdp":
+        _check_fsdp(cfg)
+
+
+def _check_fsdp(cfg: DictConfig) -> None:
+    units = cfg.parallel.get("shard_units")
+    if units is not None and not (isinstance(units, ListConfig) and all(isinstance(u, str) for u in units)):
+        raise ConfigError(f"parallel.shard_units={units} must be null or a list of module class names, "
+                          "e.g. [BasicBlock]")
+    if not isinstance(cfg.parallel.get("reshard_after_forward", True), bool):
+        raise ConfigError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} must be true or false")
+    if cfg.trainer.precision == "fp16":
+        # GradScaler checks each rank's gradient shard for inf/NaN on its own: ranks would
+        # disagree on skipping a step. bf16 needs no scaler.
+        raise ConfigError("trainer.precision=fp16 is not supported with parallel=fsdp (GradScaler would decide "
+                          "per gradient shard); use trainer.precision=bf16")
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:

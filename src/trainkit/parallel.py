@@ -1,24 +1,29 @@
-"""All wrapping in one place: wrap(model) for single / DDP, plus counting of gradient syncs."""
+"""All wrapping in one place: wrap(model) for single / DDP / FSDP2, plus counting of gradient syncs."""
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainkit.config import ConfigError
+from trainkit.data import shard_bounds
 from trainkit.dist import Dist
 from trainkit.syncbn import convert_sync_batchnorm
 
 
 def resolve_mode(mode: str, world_size: int, under_torchrun: bool) -> str:
-    """auto: single without torchrun, ddp under it. An explicit single with W > 1 is refused:
-    it would silently train W independent replicas."""
+    """auto: single without torchrun, ddp under it; ddp and fsdp need torchrun. An explicit
+    single with W > 1 is refused: it would silently train W independent replicas."""
     if mode == "auto":
         return "ddp" if under_torchrun else "single"
     if mode == "single" and world_size > 1:
         raise ConfigError(f"parallel=single with world size {world_size} would train {world_size} "
-                          "independent replicas; use parallel=ddp (or auto) under torchrun")
+                          "independent replicas; use parallel=ddp (or auto, or fsdp) under torchrun")
     if mode != "single" and not under_torchrun:
         raise ConfigError(f"parallel={mode} needs torchrun (e.g. torchrun --nproc_per_node=2 "
                           "src/train.py ...); use parallel=single or auto without it")
@@ -27,10 +32,12 @@ def resolve_mode(mode: str, world_size: int, under_torchrun: bool) -> str:
 
 @dataclass
 class CommStats:
-    """Gradient synchronisations and bytes reduced, counted where they happen (a comm hook)."""
+    """Gradient synchronisations and bytes reduced, counted where they happen (a DDP comm hook,
+    FSDP2's post-reduce-scatter hook)."""
 
     syncs: int = 0
     bytes: int = 0
+    round_open: bool = False  # FSDP: a backward has reduce-scattered, its round is counted
 
 
 def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
@@ -43,9 +50,11 @@ def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False) -> tuple[nn.Module, CommStats]:
+def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precision: str = "fp32",
+         shard_units=None, reshard_after_forward: bool = True) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
-    for `mode`; returns the counters of its gradient syncs."""
+    for `mode`; returns the counters of its gradient syncs. FSDP only: `shard_units`,
+    `reshard_after_forward`, and `precision` (bf16 on CUDA: a bf16 MixedPrecisionPolicy)."""
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
@@ -56,7 +65,57 @@ def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False) -> tuple[n
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                     forward_sync_buffers=not sync_bn)
         model.register_comm_hook(stats, _counting_allreduce)
+    elif mode == "fsdp":
+        mesh = init_device_mesh(d.device.type, (d.world_size,))
+        # bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and keep the
+        # sharded parameters the optimizer steps in fp32. Elsewhere autocast alone (train.py).
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if precision == "bf16" and d.device.type == "cuda" else MixedPrecisionPolicy())
+        for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
+        _count_reduce_scatters(model, stats, d.world_size)
     return model, stats
+
+
+def fsdp_units(model: nn.Module, class_names=None) -> list[nn.Module]:
+    """The submodules that get their own fully_shard (one all-gather / reduce-scatter each),
+    outermost first. None: each direct child of the root that has parameters. A list of class
+    names (e.g. [BasicBlock]): every submodule of those classes; [] shards the root alone."""
+    if class_names is None:
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+    names = set(class_names)
+    units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if missing := names - {type(m).__name__ for m in units}:
+        present = sorted({type(m).__name__ for m in model.modules() if m is not model})
+        raise ConfigError(f"parallel.shard_units: no submodule of class {', '.join(sorted(missing))} in "
+                          f"{type(model).__name__} (it has: {', '.join(present)})")
+    return units
+
+
+def _count_reduce_scatters(model: nn.Module, stats: CommStats, world_size: int) -> None:
+    """Count FSDP2's gradient reduce-scatters where they happen.
+
+    `FSDPModule.set_all_reduce_hook` (public API) runs the hook right after each unit's
+    reduce-scatter, with this rank's shard of the reduced gradient: the unit reduced
+    shard x W bytes (its full gradient, dim 0 padded to a multiple of W). One backward
+    reduce-scatters every unit; its first hook call opens a round (one gradient sync), which
+    stays open until autograd's final callback of that backward (the mechanism DDP and FSDP
+    use themselves). No hook call: nothing was reduced (set_requires_gradient_sync(False)).
+    """
+    def close_round():
+        stats.round_open = False
+
+    def hook(shard: torch.Tensor) -> None:
+        stats.bytes += shard.numel() * shard.element_size() * world_size
+        if not stats.round_open:
+            stats.round_open = True
+            stats.syncs += 1
+            torch.autograd.Variable._execution_engine.queue_callback(close_round)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(hook)
 
 
 def _sync_batchnorm(model: nn.Module, d: Dist) -> tuple[nn.Module, bool]:
@@ -72,5 +131,35 @@ def _sync_batchnorm(model: nn.Module, d: Dist) -> tuple[nn.Module, bool]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module (no `module.` prefix in its state_dict)."""
+    """The plain module (no `module.` prefix in its state_dict). FSDP2 shards a module in place:
+    it is its own plain module (its parameters are DTensor shards)."""
     return model.module if isinstance(model, DDP) else model
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: FSDP2's clip_grad_norm_ returns the global norm as a DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class EqualBatches:
+    """The eval loader for FSDP: this rank's batches, then empty batches until every rank has run
+    as many forwards as the rank with the largest contiguous shard.
+
+    Every FSDP forward all-gathers parameters, so a rank that ran one forward less would hang the
+    others; contiguous shards differ by one sample, hence their batch counts by up to one. An
+    empty batch adds nothing to the loss and accuracy sums, so evaluate() stays exact."""
+
+    def __init__(self, loader, world_size: int):
+        self.loader, self.dataset = loader, loader.dataset
+        start, end = shard_bounds(len(self.dataset), world_size, 0)  # rank 0's shard is a largest one
+        self.batches = math.ceil((end - start) / loader.batch_size)
+
+    def __iter__(self):
+        ran = 0
+        for batch in self.loader:
+            ran += 1
+            yield batch
+        if ran < self.batches:  # an empty batch of the right shape and dtype, from one real sample
+            x, y = self.loader.collate_fn([self.dataset[0]])
+            for _ in range(self.batches - ran):
+                yield x[:0], y[:0]

@@ -85,6 +85,7 @@ def test_a_checkpoint_of_the_other_layout_is_refused():
         restore(state, nn.Linear(2, 2), None, None, None, None, CPU)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP without a process group
 def test_sharded_checkpoints_keep_last_n_and_skip_leftovers(tmp_path):
     """The DCP layout without a process group (DCP saves non-distributed then): directories,
     keep-last-N, an interrupted save's leftover, and a directory without .metadata."""

@@ -24,6 +24,7 @@ from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.rng import seed_all
 
+
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     seed_all(cfg.seed)  # the same initial weights on every rank
 

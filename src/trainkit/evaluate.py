@@ -11,7 +11,8 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, flo
     all-reduced sums and counts, never a mean of per-rank means.
 
     Pass the unwrapped module: a DDP forward may run collectives, and the shards (hence the
-    number of batches) may differ by one sample between ranks.
+    number of batches) may differ by one sample between ranks. (An FSDP forward always
+    all-gathers: train.py pads its eval loader with empty batches, parallel.EqualBatches.)
     """
     # DDP broadcasts rank 0's buffers (BatchNorm running stats) at the start of each forward, so
     # each rank's own last forward left its copy different: evaluate with rank 0's, which

@@ -64,6 +64,23 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, script: str = "src
 
 
 
+def assert_equal(a, b, where: str):
+    """Exact equality of nested checkpoint state: tensors bit for bit, everything else ==."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
 class Faulty(nn.Module):
     """A model that misbehaves once, on one rank, at its n-th training forward: the real faults
     the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a

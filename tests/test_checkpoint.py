@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, run_train
+from helpers import ROOT, assert_equal, run_train
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
 from trainkit.config import ConfigError
@@ -32,23 +32,6 @@ def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
 def rows(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
-
-
-def assert_equal(a, b, where: str):
-    """Exact equality of nested checkpoint state: tensors bit for bit, everything else ==."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def assert_same_run(a: Path, b: Path):

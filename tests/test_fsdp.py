@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import ROOT, run_distributed, run_train
+from helpers import ROOT, assert_equal, run_distributed, run_train
 from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, full_state_dict, restore, snapshot
@@ -272,23 +272,6 @@ def test_fsdp_two_ranks_k2_b8_no_sync_equal_one_process_b32(single_b32, fsdp_no_
 def test_fsdp_two_ranks_k2_b8_sync_each_batch_equal_one_process_b32(single_b32, tmp_path):
     run_train(tmp_path, *EPOCH, *FSDP_K2_B8, "accumulation=sync_each_batch", nproc=2)
     _equivalence(single_b32, tmp_path, 2.0)
-
-
-def assert_equal(a, b, where: str):
-    """Exact equality of nested checkpoint state: tensors bit for bit, everything else ==."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def _dcp(path: Path) -> dict:

@@ -95,3 +95,10 @@ def test_mnist_loads_from_data_root(tmp_path):
     acc, rows = run(tmp_path / "run", "data=mnist", f"data.root={tmp_path / 'data'}", "data.num_workers=0",
                     "trainer.epochs=2", "data.batch_size=16")
     assert rows[-1]["step"] == 8 and rows[-1]["samples"] == 128 and 0 <= acc <= 1
+
+
+def test_experiment_overlay(tmp_path):
+    """+experiment=digits_cnn_ddp: cnn, micro-batch 16, global batch 64 (K = 4 on one process)."""
+    _, rows = run(tmp_path, "+experiment=digits_cnn_ddp", "trainer.max_steps=2", "trainer.log_every=1")
+    assert [r["samples"] for r in rows] == [64, 128]
+    assert "0.weight" in torch.load(tmp_path / "model.pt", weights_only=True)

@@ -12,9 +12,9 @@ one GPU per rank) and counts the bytes of the tensors each rank holds, at two mo
 "parameters" counts the sharded parameters plus any all-gathered (unsharded) parameter storage
 still allocated. FSDP's unsharded gradients and parameters are only reachable through FSDP2's
 internal FSDPParam objects (`_get_fsdp_state()._fsdp_param_groups[..].fsdp_params`): this script
-reads them, train.py never does. Not counted on CPU: activations, communication buffers, and
-DDP's reducer buckets (a second gradient-sized buffer, since DDP runs with the default
-gradient_as_bucket_view=False). On CUDA, the last column is torch.cuda.max_memory_allocated over
+reads them, train.py never does. Not counted on CPU: activations and communication buffers
+(DDP's reducer buckets hold the .grad tensors themselves: trainkit's DDP runs with
+gradient_as_bucket_view=True). On CUDA, the last column is torch.cuda.max_memory_allocated over
 the whole step, which counts all of those.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--model resnet18|mlp] [--world-size 2] [--steps 2]

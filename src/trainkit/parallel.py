@@ -62,8 +62,9 @@ def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precisi
     if mode == "ddp":
         # With SyncBN the running statistics are identical on every rank already: DDP's
         # broadcast of rank 0's buffers before every forward would only cost time.
+        # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets, not in a second copy.
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                    forward_sync_buffers=not sync_bn)
+                    forward_sync_buffers=not sync_bn, gradient_as_bucket_view=True)
         model.register_comm_hook(stats, _counting_allreduce)
     elif mode == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))

@@ -151,7 +151,7 @@ def _fsync_dir(directory: Path) -> None:
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse a resume that cannot continue the same run exactly, naming the difference.
 
-    `saved` and `current` map setting names to values (see train.py's `run_identity`)."""
+    `saved` and `current` map setting names to values (train.py's `identity`)."""
     for key in current:
         if saved.get(key) != current[key]:
             raise ConfigError(f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "

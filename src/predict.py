@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import dist
+from trainkit import config, dist
 from trainkit.checkpoint import load_model
 from trainkit.config import ConfigError, user_error
 from trainkit.data import eval_loader
@@ -91,6 +91,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
     metrics = metrics_of(out["logits"], out["targets"])
     if d.is_main:
+        config.save(cfg, out_dir)
         write_predictions(out_dir / "predictions.csv", out["logits"], out["targets"], cfg.predict.probs)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     d.print0(f"done: accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} on {metrics['samples']} "

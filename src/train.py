@@ -16,28 +16,32 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import config, dist
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
-from trainkit.config import ConfigError, RunError
-from trainkit.data import eval_loader, train_loader
+from trainkit.config import ConfigError
+from trainkit.data import TrainLoader, eval_loader
 from trainkit.evaluate import evaluate
+from trainkit.guard import StepGuard
 from trainkit.inference import autocast_for
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.rng import seed_all
 
 
-def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
+def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
     seed_all(cfg.seed)  # the same initial weights on every rank
 
-    # Data. Rank 0 prepares (downloads) first. The train sampler is a DistributedSampler in every
-    # mode (num_replicas=1 in single), so step s trains on the same samples at any world size.
+    # Data. Rank 0 prepares (downloads) first. Every mode shards the train split the way
+    # DistributedSampler does (one shard in single mode), so step s trains on the same samples
+    # at any world size; the sampler's padding repeats never reach a forward.
     with d.rank0_first():
         train_set, val_set = instantiate(cfg.data.splits)
-    loader, sampler = train_loader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed)
+    if len(train_set) == 0:
+        raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
+    K = config.accumulation_steps(cfg, d.world_size)
+    layout = EpochLayout(len(train_set), d.world_size, cfg.data.batch_size, K)
+    loader = TrainLoader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed, layout.micro_batches)
     val_loader = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
     if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
         val_loader = EqualBatches(val_loader, d.world_size)
-    K = config.accumulation_steps(cfg, d.world_size)
-    layout = EpochLayout(len(train_set), d.world_size, d.rank, cfg.data.batch_size, K)
     steps_per_epoch = layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
         raise ConfigError(f"data.drop_last=true drops every sample: the global batch {layout.global_batch} "
@@ -48,28 +52,41 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
     model, comm = wrap(instantiate(cfg.model), mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision,
                        shard_units=cfg.parallel.get("shard_units"),
-                       reshard_after_forward=cfg.parallel.get("reshard_after_forward", True))
+                       reshard_after_forward=cfg.parallel.get("reshard_after_forward", True),
+                       bucket_cap_mb=cfg.parallel.get("bucket_cap_mb"))
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
     precision = cfg.trainer.precision
     autocast = autocast_for(precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
+    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d)
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm)
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
     checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d,
                                 sharded=mode == "fsdp")  # FSDP: each rank writes its shards (DCP)
-    identity = {"global_batch": layout.global_batch, "seed": cfg.seed,
+    identity = {"global_batch": layout.global_batch, "seed": cfg.seed, "optim._target_": cfg.optim._target_,
                 **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
                 **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits")}
-    progress = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
-    if resumed := checkpointer.load(cfg.checkpoint.resume):
+    settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
+    start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
+    resumed = checkpointer.load(cfg.checkpoint.resume)
+    checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
+    if resumed:
         check_compatible(resumed["identity"], identity)
+        if resumed["progress"]["step"] > total_steps:
+            d.print0(f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
+                     f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is")
+            return None
         restore(resumed, unwrap(model), optimizer, scheduler, scaler, meter, d)
-        progress = resumed["progress"]
-        d.print0(f"resumed from {resumed['path']} at step {progress['step']}")
+        start = resumed["progress"]
+        d.print0(f"resumed from {resumed['path']} at step {start['step']}")
+        if changed := config.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
+            d.print0(f"resume: applying the changed settings {', '.join(changed)}")
+    if d.is_main:
+        config.save(cfg, run_dir)  # only now: a refused run leaves the run dir as it was
 
     d.print0(f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
              f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
@@ -77,87 +94,82 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float:
              f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
              f"{total_steps} steps, {epochs} epochs | run dir {run_dir}")
 
-    step, val = progress["step"], {}
+    step, val = start["step"], {}
+    meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
     with make_logger(run_dir, cfg, d.is_main, resumed) as logger:
-        for epoch in range(progress["epoch"], epochs):
-            sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
-            first_window = progress["window"] if epoch == progress["epoch"] else 0
-            if resumed and epoch == progress["epoch"]:  # re-create the interrupted epoch's iterator
-                loader.generator.set_state(resumed["loader_generator"])
-            sampler.start = first_window * K * cfg.data.batch_size  # skip the windows already trained
-            epoch_generator = loader.generator.get_state()
-            batches = iter(loader)
+        for epoch in range(start["epoch"], epochs):
+            first_window = start["window"] if epoch == start["epoch"] else 0
+            batches = loader.epoch(epoch, start=first_window * K)  # set_epoch: a new permutation per epoch
             model.train()
             for window in range(first_window, steps_per_epoch):
-                if step == total_steps:
+                if step >= total_steps:
                     break
                 # One optimizer step: the global window of up to K micro-batches per rank.
                 micro_steps, samples = layout.micro_steps(window), layout.window_samples(window)
                 # The gradient is the mean over the window's real samples of all ranks, also for
                 # a short last window. DDP and FSDP average over ranks, hence the factor world_size.
                 scale = d.world_size / samples
+                guard.start_window()  # on_nonfinite=skip: a dropped window must leave no trace
                 for k in range(micro_steps):
                     x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
                     # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                     # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                     with sync_context(model, syncs_now(cfg.accumulation.strategy, k, micro_steps)):
                         with autocast():
-                            losses = F.cross_entropy(model(x), y, reduction="none")
-                        weights = layout.sample_weights(window * K + k, len(y))
-                        if weights is not None:  # DistributedSampler's padding repeats weigh 0
-                            losses = losses * weights.to(d.device)
-                        loss_sum = losses.sum()
+                            loss_sum = F.cross_entropy(model(x), y, reduction="sum")  # 0 for an empty batch
                         scaler.scale(loss_sum * scale).backward()
                     meter.add_micro_step(loss_sum)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor over the gradient shards
                 lr = scheduler.get_last_lr()[0]
-                # All ranks decide together (one all-reduced flag, one host sync per step): a rank
-                # skipping alone would hang the others. fp16 overflows are GradScaler's to skip.
-                bad_grad = ~torch.isfinite(grad_norm) if not scaler.is_enabled() else False
-                skipped = d.any(bad_grad | ~torch.isfinite(meter.window_loss))
-                if skipped and cfg.trainer.on_nonfinite == "raise":
-                    raise RunError(f"non-finite loss or gradient at step {step + 1} (trainer.on_nonfinite=raise; "
-                                   "skip drops such windows)")
-                if not skipped:
+                # All ranks decide together (one all-reduce, one host sync per step): a rank
+                # skipping alone would hang the others.
+                outcome = guard.decide(meter.window_loss, grad_norm, step + 1)  # on_nonfinite=raise: raises
+                if outcome == "step":
                     scaler.step(optimizer)
                     scaler.update()
-                    scheduler.step()
+                    scheduler.step()  # only when the optimizer stepped: the schedule counts real steps
+                else:
+                    guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                meter.add_step(grad_norm, samples, skipped)
+                meter.add_step(grad_norm, samples, skipped=outcome != "step")
 
                 row = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:
                     row |= meter.row() | {"lr": lr}
                     d.print0(f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
                              f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s")
-                if step % cfg.trainer.eval_every == 0 or step == total_steps:
-                    row |= (val := evaluate(unwrap(model), val_loader, d, autocast))
-                    d.print0(f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}")
-                if row:
-                    logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
-                if checkpointer.due(step, total_steps):
-                    done = window + 1 == steps_per_epoch
-                    progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                    checkpointer.save(step, snapshot(unwrap(model), optimizer, scheduler, scaler, meter, progress,
-                                                     epoch_generator, identity, logger.run_id, d))
+                with meter.paused():
+                    if (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set):
+                        row |= (val := evaluate(unwrap(model), val_loader, d, autocast))
+                        d.print0(f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
+                                 f"val acc {val['val/acc']:.4f}")
+                    if row:
+                        logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
+                    if checkpointer.due(step, total_steps):
+                        done = window + 1 == steps_per_epoch
+                        progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
+                        checkpointer.save(step, snapshot(unwrap(model), optimizer, scheduler, scaler, meter, progress,
+                                                         identity, settings, logger.run_id, d))
 
-    if not val:  # resumed from the final checkpoint: nothing left to train
+    if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_loader, d, autocast)
     final = full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
         torch.save(final, run_dir / "model.pt")
-    d.print0(f"done: {step} steps, val acc {val['val/acc']:.4f}; wrote {run_dir / 'model.pt'}")
-    return val["val/acc"]
+    summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
+    d.print0(f"done: {step} steps, {summary}; wrote {run_dir / 'model.pt'}")
+    return val.get("val/acc")
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
     try:
         config.check(cfg)
-        d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+        job = OmegaConf.select(HydraConfig.get(), "job.num", default=0)  # the job's number in a sweep
+        d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
         return train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
     except Exception as error:  # known failures: one line from rank 0, no traceback

@@ -56,7 +56,8 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, script: str = "src
     launcher = [sys.executable]
     if nproc > 1 or torchrun:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
-    cmd = [*launcher, str(ROOT / script), f"hydra.run.dir={run_dir}", *overrides]
+    flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: before the overrides (argparse)
+    cmd = [*launcher, str(ROOT / script), *flags, f"hydra.run.dir={run_dir}", *(o for o in overrides if o not in flags)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -84,7 +85,9 @@ def assert_equal(a, b, where: str):
 class Faulty(nn.Module):
     """A model that misbehaves once, on one rank, at its n-th training forward: the real faults
     the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
-    marker file remembers it), "nan" (return NaN), or "hang" (sleep as a stuck peer would)."""
+    marker file remembers it), "nan" (return NaN), "nan_input" (one NaN input sample: BatchNorm's
+    running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
+    fp16 overflow gives), or "hang" (sleep as a stuck peer would)."""
 
     def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str):
         super().__init__()
@@ -92,16 +95,21 @@ class Faulty(nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        out = self.inner(x)
         if not self.training or int(os.environ.get("RANK", 0)) != self.rank:
-            return out
+            return self.inner(x)
         self.calls += 1
+        if self.fault == "nan_input" and self.calls == self.at_forward:
+            x = x.clone()
+            x[0] = float("nan")
+        out = self.inner(x)
         if self.calls == 1 and self.marker.exists():  # the restarted worker's first step: when
             self.marker.with_suffix(".resumed").touch(exist_ok=True)  # the restart cost ends
         if self.calls != self.at_forward:
             return out
         if self.fault == "nan":
             return out * float("nan")
+        if self.fault == "inf_grad":
+            out.register_hook(lambda grad: grad * float("inf"))
         if self.fault == "hang":
             time.sleep(3600)
         if self.fault == "kill" and not self.marker.exists():
@@ -117,3 +125,28 @@ def faulty_model(name: str, fault: str, at_forward: int, rank: int = 0, marker: 
     from trainkit import models
 
     return Faulty(getattr(models, name)(**model_args), fault, at_forward, rank, marker)
+
+
+class NoisyDigits(torch.utils.data.Dataset):
+    """Digits with a random augmentation in __getitem__ (Gaussian noise from the global torch
+    RNG, a shift from numpy's), as torchvision transforms draw: resume must reproduce it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        import numpy as np
+
+        x, y = self.dataset[index]
+        return torch.roll(x + 0.1 * torch.randn_like(x), int(np.random.randint(-1, 2)), dims=-1), y
+
+
+def noisy_digits(val_fraction: float = 0.2):
+    """data.splits._target_=helpers.noisy_digits: digits whose training split augments randomly."""
+    from trainkit.data import digits
+
+    train, val = digits(val_fraction)
+    return NoisyDigits(train), val

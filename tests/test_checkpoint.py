@@ -40,7 +40,7 @@ def assert_same_run(a: Path, b: Path):
     assert final_a.keys() == final_b.keys()
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
     ckpt_a, ckpt_b = (torch.load(d / "checkpoints" / "step_00000020.pt", weights_only=True) for d in (a, b))
-    for key in ("optimizer", "scheduler", "ranks", "progress", "loader_generator"):
+    for key in ("optimizer", "scheduler", "ranks", "progress"):
         assert_equal(ckpt_a[key], ckpt_b[key], key)
     assert rows(a) == rows(b)  # the same losses: the same batches were drawn after the resume
 
@@ -158,3 +158,137 @@ def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path):
     assert proc.returncode != 0
     assert "error: a collective failed, a peer rank died or hangs (parallel.timeout_s=3)" in proc.stderr
     assert elapsed < 60, elapsed  # start-up (~10 s) + the 3 s timeout, not the 600 s default
+
+
+# --- off the happy path: skipped steps leave no trace, resumes that change settings ---------
+
+def train_in(run_dir: Path, *overrides):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return train(compose_cfg(*overrides), CPU, "single", run_dir)
+
+
+def checkpoint(run_dir: Path, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)
+
+
+SKIP = ["model=cnn", "model.width=8", "trainer.max_steps=6", "trainer.log_every=1", "checkpoint.every=1",
+        "checkpoint.keep=10", "trainer.on_nonfinite=skip", "sched.warmup_steps=2"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_skipped_window_leaves_no_trace_in_weights_buffers_optimizer_scaler_or_schedule(tmp_path, precision):
+    # One NaN input sample in step 4's batch: the forward already wrote NaN into BatchNorm's
+    # running statistics before the loss was known. fp16: the scaler must be closed for the step.
+    train_in(tmp_path, *SKIP, f"trainer.precision={precision}", *faulty("nan_input", 4, 0, tmp_path / "m"))
+    before, skipped, after = (checkpoint(tmp_path, s) for s in (3, 4, 6))
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        assert_equal(skipped[key], before[key], key)
+    assert all(torch.isfinite(t).all() for t in after["model"].values() if t.is_floating_point())
+    final = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in final.values() if t.is_floating_point())
+    assert [r["skipped_steps"] for r in rows(tmp_path) if "loss" in r] == [0, 0, 0, 1, 1, 1]
+    assert after["scheduler"]["last_epoch"] == 5  # 6 steps, 5 taken
+
+
+def test_fp16_overflow_is_gradscalers_skip_the_schedule_waits_and_the_row_leaves_it_out(tmp_path):
+    # Step 3's gradient is infinite, its loss finite: GradScaler's overflow, not a non-finite
+    # loss (on_nonfinite=raise must not stop the run). The scale backs off, the LR stays.
+    train_in(tmp_path, *SKIP[:-2], "trainer.on_nonfinite=raise", "trainer.log_every=2", "sched.warmup_steps=4",
+             "trainer.precision=fp16", *faulty("inf_grad", 3, 0, tmp_path / "m"))
+    log = [r for r in rows(tmp_path) if "loss" in r]
+    assert [r["skipped_steps"] for r in log] == [0, 1, 1]
+    assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in log)
+    assert checkpoint(tmp_path, 2)["scaler"]["scale"] == 2.0 ** 16
+    assert checkpoint(tmp_path, 3)["scaler"]["scale"] == 2.0 ** 15
+    assert checkpoint(tmp_path, 3)["scheduler"]["last_epoch"] == checkpoint(tmp_path, 2)["scheduler"]["last_epoch"] == 2
+    assert_equal(checkpoint(tmp_path, 3)["optimizer"], checkpoint(tmp_path, 2)["optimizer"], "optimizer")
+    # The LR logged for step 4 is the schedule at 2 steps taken, as for step 3.
+    assert checkpoint(tmp_path, 6)["scheduler"]["last_epoch"] == 5
+
+
+def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
+    run_train(tmp_path, "trainer.max_steps=5", "model.width=16")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    mtimes = {p: p.stat().st_mtime_ns for p in before}
+    for overrides, message in [
+        (["model.width=64"], "checkpoint.resume: the checkpoint was written with model.width=16, this run has "
+                             "model.width=64; exact resume needs the same (or choose another hydra.run.dir)"),
+        (["checkpoint.resume=null"], f"hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
+                                     "resume it with checkpoint.resume=auto, or choose another hydra.run.dir"),
+    ]:
+        proc = run_train(tmp_path, "trainer.max_steps=5", "model.width=16", *overrides, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before and {p: p.stat().st_mtime_ns for p in after} == mtimes
+
+
+def test_resume_applies_changed_optimizer_settings_and_says_so(tmp_path, capsys):
+    train_in(tmp_path, "trainer.max_steps=5", "sched=constant")
+    train_in(tmp_path, "trainer.max_steps=8", "sched=constant", "optim.lr=1e-6", "optim.weight_decay=0.5",
+             "trainer.log_every=1")
+    out = capsys.readouterr().out
+    assert ("resume: applying the changed settings optim.lr=0.003 -> 1e-06, optim.weight_decay=0.01 -> 0.5, "
+            "trainer.log_every=50 -> 1, trainer.max_steps=5 -> 8") in out
+    assert [r["lr"] for r in rows(tmp_path) if r["step"] > 5] == [1e-6] * 3
+    assert checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["weight_decay"] == 0.5
+
+
+def test_resume_with_max_steps_below_the_checkpoint_has_nothing_to_train(tmp_path, capsys):
+    train_in(tmp_path, "trainer.max_steps=5")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert train_in(tmp_path, "trainer.max_steps=3") is None
+    assert (f"nothing to train: {tmp_path / 'checkpoints' / 'step_00000005.pt'} is at step 5, past this run's 3 "
+            "steps (trainer.max_steps / trainer.epochs)") in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_an_fp32_checkpoint_resumes_with_fp16_and_a_damaged_one_falls_back(short_run, tmp_path, capsys):
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    (directory / "step_00000004.pt").write_bytes((short_run / "checkpoints" / "step_00000004.pt").read_bytes())
+    (directory / "step_00000005.pt").write_bytes(b"not a zip file, not a pickle either")
+    train_in(tmp_path, "trainer.max_steps=6", "trainer.precision=fp16", "checkpoint.every=2", "checkpoint.keep=1")
+    out = capsys.readouterr().out
+    assert "warning: skipping unreadable checkpoint" in out and "resumed from" in out and "at step 4" in out
+    assert "trainer.precision=fp32 -> fp16" in out
+    assert checkpoint(tmp_path, 6)["scaler"]["scale"] == 2.0 ** 16
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_newest(short_run, tmp_path, monkeypatch):
+    state = torch.load(short_run / "checkpoints" / "step_00000004.pt", weights_only=True)
+    checkpointer = Checkpointer(tmp_path, every=2, keep=2, d=CPU)
+    checkpointer.save(4, dict(state))
+
+    def disk_full(obj, f):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpointer.save(6, dict(state))
+    assert [p.name for p in checkpointer.complete()] == ["step_00000004.pt"]
+    assert checkpointer.load("auto")["progress"]["step"] == state["progress"]["step"]
+
+
+# Digits whose training samples are augmented at random (noise and a shift), dropout, loader
+# workers: 12 steps per epoch, checkpoints at the epoch boundary (12) and mid-epoch (17).
+AUGMENTED = ["data.splits._target_=helpers.noisy_digits", "data.batch_size=128", "trainer.epochs=3",
+             "model.dropout=0.1", "checkpoint.every=1", "checkpoint.keep=40", "trainer.log_every=4",
+             "trainer.eval_every=12", "sched=constant", "sched.warmup_steps=5"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_an_epoch_boundary_and_mid_epoch_is_bitwise_with_workers_and_augmentation(tmp_path, workers):
+    straight = tmp_path / "straight"
+    train_in(straight, *AUGMENTED, f"data.num_workers={workers}")
+    final = checkpoint(straight, 36)
+    for step in (12, 17):
+        resumed = tmp_path / f"from_{step}"
+        (resumed / "checkpoints").mkdir(parents=True)
+        name = f"step_{step:08d}.pt"
+        (resumed / "checkpoints" / name).write_bytes((straight / "checkpoints" / name).read_bytes())
+        train_in(resumed, *AUGMENTED, f"data.num_workers={workers}")
+        got = checkpoint(resumed, 36)
+        for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
+            assert_equal(got[key], final[key], f"from {step}: {key}")
+        assert rows(resumed) == [r for r in rows(straight) if r["step"] > step]

@@ -14,6 +14,13 @@ from helpers import run_train
     (["data=mnist", "data.root=/nonexistent"], "data.root=/nonexistent holds no MNIST data"),
     (["parallel=ddp"], "parallel=ddp needs torchrun"),
     (["data.drop_last=true", "data.batch_size=1500"], "data.drop_last=true drops every sample"),
+    (["trainer.max_steps=2.5"], "trainer.max_steps=2.5 must be null or a positive integer"),
+    (["parallel.timeout_s=null"], "parallel.timeout_s=None must be a positive number"),
+    (["accumulation.global_batch_size=64.0"], "accumulation.global_batch_size=64.0 must be null or a positive integer"),
+    (["optim.lr=abc"], "optim.lr=abc must be a number >= 0"),
+    (["optim.lr=-1"], "optim.lr=-1 must be a number >= 0"),
+    (["sched.warmup_steps=abc"], "sched.warmup_steps=abc must be an integer >= 0"),
+    (["data.splits.val_fraction=1.0"], "data.splits.val_fraction=1.0 must be >= 0 and < 1 (1 leaves no training samples)"),
 ])
 def test_bad_setting_is_one_line_with_exit_2(tmp_path, overrides, message):
     proc = run_train(tmp_path, *overrides, check=False)

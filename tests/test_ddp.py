@@ -8,7 +8,7 @@ from torch.utils.data import TensorDataset
 
 from helpers import run_distributed
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
-from trainkit.data import train_loader
+from trainkit.data import TrainLoader
 from trainkit.dist import Dist
 from trainkit.parallel import wrap
 
@@ -42,6 +42,17 @@ def _accounting(rank, world_size):
         out[strategy] = dict(syncs=comm.syncs, bytes=comm.bytes, param_bytes=params,
                              same_inside=same_inside, same_after=same_after)
 
+    # A model in several buckets (parallel.bucket_cap_mb): one sync reduces every bucket.
+    torch.manual_seed(0)
+    model, comm = wrap(nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)]), "ddp", d, bucket_cap_mb=0.01)
+    for _ in range(3):
+        for k in range(4):
+            with sync_context(model, syncs_now("no_sync", k, 4)):
+                model(torch.randn(5, 64) + rank).sum().backward()
+        model.zero_grad()
+    out["buckets"] = dict(syncs=comm.syncs, bytes=comm.bytes, param_bytes=3 * (64 * 64 + 64) * 4,
+                          buckets=model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1)
+
     # The classic pitfall: forward outside no_sync(), only backward inside. It still syncs.
     torch.manual_seed(0)
     model, comm = wrap(nn.Linear(4, 1), "ddp", d)
@@ -61,6 +72,8 @@ def test_one_sync_per_optimizer_step_with_no_sync_and_k_with_sync_each_batch():
         assert not any(no_sync["same_inside"])  # local accumulation: ranks differ in the window
         assert all(no_sync["same_after"])  # the sync step makes them identical
         assert all(each["same_inside"]) and all(each["same_after"])
+        buckets = result["buckets"]  # DDP rebuilds its buckets after the first step: 3 from then on
+        assert buckets["buckets"] == 3 and buckets["syncs"] == 3 and buckets["bytes"] == 3 * buckets["param_bytes"]
         # no_sync() around backward alone does not stop the all-reduce: DDP armed it in forward.
         assert result["backward_only"] == {"syncs": 1, "same": True}
 
@@ -69,25 +82,21 @@ def _regression(rank, world_size, batch_size, steps, X, y, lr, epochs):
     """train.py's accumulation loop, reduced to plain SGD on least squares."""
     d = Dist(rank, rank, world_size, torch.device("cpu"))
     dataset = TensorDataset(X, y)
-    loader, sampler = train_loader(dataset, d, batch_size, 0, seed=0)
-    layout = EpochLayout(len(dataset), world_size, rank, batch_size, steps)
+    layout = EpochLayout(len(dataset), world_size, batch_size, steps)
+    loader = TrainLoader(dataset, d, batch_size, 0, 0, layout.micro_batches)
     model, _ = wrap(nn.Linear(X.shape[1], 1, dtype=torch.float64), "ddp" if world_size > 1 else "single", d)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
+        batches = loader.epoch(epoch)
         for window in range(layout.windows(drop_last=False)):
             micro_steps, scale = layout.micro_steps(window), world_size / layout.window_samples(window)
             for k in range(micro_steps):
                 xb, yb = next(batches)
                 with sync_context(model, syncs_now("no_sync", k, micro_steps)):
                     losses = 0.5 * (model(xb).squeeze(1) - yb) ** 2
-                    weights = layout.sample_weights(window * steps + k, len(yb))
-                    if weights is not None:
-                        losses = losses * weights
                     (losses.sum() * scale).backward()
             optimizer.step()
             optimizer.zero_grad()

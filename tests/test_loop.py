@@ -1,6 +1,7 @@
 """train() in-process: what is called once per optimizer step, the step count, the overrides."""
 import json
 import math
+import time
 from unittest import mock
 
 import pytest
@@ -102,3 +103,64 @@ def test_experiment_overlay(tmp_path):
     _, rows = run(tmp_path, "+experiment=digits_cnn_ddp", "trainer.max_steps=2", "trainer.log_every=1")
     assert [r["samples"] for r in rows] == [64, 128]
     assert "0.weight" in torch.load(tmp_path / "model.pt", weights_only=True)
+
+
+def test_without_a_validation_split_training_runs_and_skips_evaluation(tmp_path):
+    acc, rows = run(tmp_path, "data.splits.val_fraction=0", "trainer.max_steps=5", "trainer.eval_every=2",
+                    "checkpoint.every=100")
+    assert acc is None and [r["step"] for r in rows] == [5] and "val/acc" not in rows[0]
+    assert (tmp_path / "model.pt").exists() and (tmp_path / "checkpoints" / "step_00000005.pt").exists()
+
+
+def test_how_often_we_evaluate_never_changes_the_trained_weights(tmp_path):
+    # Dropout draws from the training RNG; evaluation (its loader included) must draw nothing.
+    for every in (1, 1000):
+        run(tmp_path / str(every), "model.dropout=0.1", "trainer.max_steps=20", f"trainer.eval_every={every}")
+    a, b = (torch.load(tmp_path / str(every) / "model.pt", weights_only=True) for every in (1, 1000))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_each_epoch_trains_another_order(tmp_path):
+    # lr 0: the weights never move, so a step's loss tells which samples its batch held. Epoch 1
+    # must draw another order (sampler.set_epoch) over the same samples.
+    _, rows = run(tmp_path, "optim=sgd", "optim.lr=0", "optim.momentum=0", "sched=constant", "data.batch_size=128",
+                  "trainer.epochs=2", "trainer.log_every=1", "trainer.eval_every=1000")
+    losses = [[r["loss"] for r in rows if "loss" in r and math.ceil(r["epoch"]) == e] for e in (1, 2)]
+    assert len(losses[0]) == len(losses[1]) == 12 and losses[0] != losses[1]
+    # The same samples: the epoch's summed loss (the last window is short: weigh by batch size).
+    sizes = [128] * 11 + [1438 - 11 * 128]
+    totals = [sum(loss * n for loss, n in zip(epoch, sizes)) for epoch in losses]
+    assert totals[0] == pytest.approx(totals[1], rel=1e-6)
+
+
+def test_loading_a_batch_in_the_main_process_leaves_the_training_rng_alone():
+    from torch.utils.data import Dataset
+
+    from trainkit.data import TrainLoader
+
+    class Draws(Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.rand(1)
+
+    loader = TrainLoader(Draws(), CPU, 4, 0, 0, 3)
+    before = torch.get_rng_state()
+    first = torch.cat(list(loader.epoch(0)))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.cat(list(loader.epoch(0))), first)  # a batch's draws depend on the batch alone
+    assert not torch.equal(torch.cat(list(loader.epoch(1))), first)
+
+
+def test_throughput_counts_training_time_only():
+    from trainkit.metrics import TrainMeter
+    from trainkit.parallel import CommStats
+
+    meter = TrainMeter(CPU, CommStats())
+    time.sleep(0.5)  # start-up: building data, model, resuming
+    meter.start_clock()
+    meter.add_step(torch.tensor(1.0), samples=1000)
+    with meter.paused():
+        time.sleep(0.5)  # evaluation, a checkpoint
+    assert meter.row()["samples_per_s"] > 1000 / 0.25

@@ -68,10 +68,46 @@ def test_two_ranks_k2_b8_equal_one_process_b32(single_b32, tmp_path, strategy, s
     for a, b in zip(single_rows, ddp_rows):
         assert a["samples"] == b["samples"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # mean over all samples of all ranks
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # pre-clip: the scale shows
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
     assert all(r["comm/grad_syncs"] == syncs for r in ddp_rows if "loss" in r)
     param_bytes = sum(t.numel() * t.element_size() for t in weights(tmp_path).values())
     assert all(r["comm/grad_bytes"] == syncs * param_bytes for r in ddp_rows if "loss" in r)
+
+
+# N = 1435 training samples: a multiple of neither 2 nor 3, so DistributedSampler pads every
+# epoch; global batch 48, so each epoch ends on a short window (43 samples) that the next epoch's
+# steps build on: plain SGD with momentum, a constant LR and no clipping let its scale show.
+# The cnn (K = 1: BatchNorm normalises each micro-batch) runs SyncBN: the padding repeats must
+# stay out of its statistics too. It stops 6 steps into epoch 2: later, max-pool ties over the
+# digits' constant background flip on float noise (1e-7) and route a gradient elsewhere.
+EXACT = ["data.splits.val_fraction=0.2015", "trainer.epochs=2", "optim=sgd", "optim.lr=0.05", "sched=constant",
+         "trainer.clip_grad_norm=null", "trainer.log_every=1", "trainer.eval_every=1000", "checkpoint.every=0",
+         "model.width=8"]
+STEPS = {"mlp": 60, "cnn": 36}
+
+
+@pytest.fixture(scope="module")
+def single_exact(tmp_path_factory):
+    runs = {}
+    for model, steps in STEPS.items():
+        runs[model] = tmp_path_factory.mktemp(f"exact_{model}")
+        run_train(runs[model], *EXACT, f"model={model}", f"trainer.max_steps={steps}", "data.batch_size=48")
+    return runs
+
+
+@pytest.mark.parametrize("model,nproc,steps,batch", [("mlp", 2, 3, 8), ("mlp", 3, 2, 8), ("cnn", 2, 1, 24),
+                                                     ("cnn", 3, 1, 16)])
+def test_odd_n_two_epochs_w_ranks_equal_one_process_step_by_step(single_exact, tmp_path, model, nproc, steps, batch):
+    run_train(tmp_path, *EXACT, f"model={model}", f"trainer.max_steps={STEPS[model]}", f"data.batch_size={batch}",
+              f"accumulation.steps={steps}", "parallel.sync_bn=true", nproc=nproc)
+    single_rows, ddp_rows = rows(single_exact[model]), rows(tmp_path)
+    assert len(ddp_rows) == len(single_rows) == STEPS[model] and single_rows[29]["samples"] == 1435  # 30 steps/epoch
+    for a, b in zip(single_rows, ddp_rows):
+        assert (a["step"], a["samples"]) == (b["step"], b["samples"])
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
+    assert_same_weights(weights(tmp_path), weights(single_exact[model]), atol=1e-5)  # running statistics too
 
 
 SYNC_BN = ["model=cnn", "model.width=8", "trainer.max_steps=12", "trainer.log_every=4", "optim=adamw",
@@ -102,3 +138,14 @@ def test_sync_bn_resnet18_under_ddp(tmp_path):
     run_train(tmp_path, "model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=16",
               "data.batch_size=8", "trainer.max_steps=2", "parallel.sync_bn=true", nproc=2)
     assert weights(tmp_path)["bn1.num_batches_tracked"].item() == 2
+
+
+def test_a_sweep_under_torchrun_runs_every_job_on_every_rank_into_one_dir_each(tmp_path):
+    # Each job builds its own process group in the same workers: under a store prefix of its own.
+    run_train(tmp_path / "unused", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.max_steps=2,3", nproc=2)
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job, steps in zip(jobs, (2, 3)):
+        assert rows(tmp_path / "sweep" / job)[-1]["step"] == steps
+        assert (tmp_path / "sweep" / job / "model.pt").is_file()
+        assert f"max_steps: {steps}" in (tmp_path / "sweep" / job / ".hydra" / "config.yaml").read_text()

@@ -17,14 +17,14 @@ class EpochLayout:
     padded to a multiple of W. Local micro-batch j of all ranks together therefore covers the
     global positions [j*b*W, (j+1)*b*W), and optimizer step s covers exactly [s*G, (s+1)*G) with
     G = W*K*b: the same samples for every (W, K, b) with the same product. Positions >= N are
-    padding repeats and weigh 0. The last window of an epoch may be short (fewer micro-batches,
-    fewer samples); `window_samples` counts its real samples so its gradient is their exact mean
-    (Lightning and Accelerate divide it by K instead). drop_last drops that window.
+    padding repeats: data.TrainBatches leaves them out of the micro-batches. The last window of
+    an epoch may be short (fewer micro-batches, fewer samples); `window_samples` counts its real
+    samples so its gradient is their exact mean (Lightning and Accelerate divide it by K
+    instead). drop_last drops that window.
     """
 
     num_samples: int
     world_size: int
-    rank: int
     batch_size: int
     steps: int  # K
 
@@ -54,13 +54,6 @@ class EpochLayout:
         start = window * self.steps * self.batch_size
         end = min(start + self.steps * self.batch_size, self.local_samples)
         return min(self.num_samples, end * self.world_size) - start * self.world_size
-
-    def sample_weights(self, micro_batch: int, size: int) -> torch.Tensor | None:
-        """0/1 weights of this rank's micro-batch (0 = padding), or None when all are real."""
-        if ((micro_batch + 1) * self.batch_size) * self.world_size <= self.num_samples:
-            return None
-        positions = (micro_batch * self.batch_size + torch.arange(size)) * self.world_size + self.rank
-        return (positions < self.num_samples).float()
 
 
 def syncs_now(strategy: str, micro_step: int, micro_steps: int) -> bool:

@@ -14,6 +14,7 @@ DCP is not used for single/DDP: it unpickles its `.metadata` (and non-tensor ite
 weights_only, and DDP's replicated state fits one file. Resume FSDP checkpoints you trust only.
 """
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -44,6 +45,7 @@ class Checkpointer:
         if not isinstance(every, int) or every < 0:
             raise ConfigError(f"checkpoint.every={every} must be an integer >= 0 (0: only at the end)")
         self.directory, self.every, self.keep, self.d, self.sharded = Path(directory), every, keep, d, sharded
+        self.unreadable: set[str] = set()  # names load() skipped as damaged
 
     def due(self, step: int, last_step: int) -> bool:
         return step == last_step or (self.every > 0 and step % self.every == 0)
@@ -111,9 +113,30 @@ class Checkpointer:
         for path in reversed(self.complete()):
             try:
                 return self._read(path)
-            except (RuntimeError, EOFError, OSError) as error:
+            except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as error:
+                self.unreadable.add(path.name)
                 self.d.print0(f"warning: skipping unreadable checkpoint {path}: {str(error).splitlines()[0]}")
         return None
+
+    def claim(self, run_dir: Path, resumed: dict | None) -> None:
+        """One run per run dir. A run continues the newest (readable) checkpoint of its own dir,
+        or starts in a dir that holds no run (no checkpoint, no model.pt); anything else would
+        mix two runs' checkpoints and metrics, so it is refused before anything is written."""
+        ours = resumed is not None and Path(resumed["path"]).resolve().parent == self.directory.resolve()
+        if ours:
+            readable = [p for p in self.complete() if p.resolve() != Path(resumed["path"]).resolve()
+                        and p.name not in self.unreadable]
+            newer = [p.name for p in readable if _step(p) > resumed["progress"]["step"]]
+            if newer:
+                raise ConfigError(f"checkpoint.resume={resumed['path']}: this run dir has newer checkpoints "
+                                  f"({', '.join(newer)}); continuing an older one here would mix two runs "
+                                  "(resume it into a new hydra.run.dir)")
+            return
+        held = [p.name for p in self.complete()[-1:]] + ["model.pt"] * (run_dir / "model.pt").is_file()
+        if held:
+            how = "resume it with checkpoint.resume=auto, or " if resumed is None else ""
+            raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(held)}): {how}"
+                              "choose another hydra.run.dir")
 
     def _read(self, path: Path) -> dict:
         """The checkpoint's state; for a DCP directory all but the model and optimizer state,
@@ -124,6 +147,10 @@ class Checkpointer:
         state = torch.load(path / "state.pt" if sharded else path, map_location="cpu", weights_only=True)
         state["path"], state["sharded"] = str(path), sharded
         return state
+
+
+def _step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def _write(path: Path, state: dict) -> None:
@@ -156,7 +183,7 @@ def check_compatible(saved: dict, current: dict) -> None:
         if saved.get(key) != current[key]:
             raise ConfigError(f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "
                               f"this run has {key}={current[key]}; exact resume needs the same "
-                              "(start a new run dir, or pass checkpoint.resume=null)")
+                              "(or choose another hydra.run.dir)")
 
 
 def load_model(module: torch.nn.Module, state_dict, source) -> None:
@@ -178,22 +205,23 @@ def load_model(module: torch.nn.Module, state_dict, source) -> None:
         raise ConfigError(f"{source} does not fit the model: {brief or 'not a state_dict'}") from None
 
 
-def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, epoch_generator: torch.Tensor,
-             identity: dict, wandb_run_id: str | None, d: Dist) -> dict:
+def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, identity: dict, settings: dict,
+             wandb_run_id: str | None, d: Dist) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
     module (for FSDP: its model and optimizer state are this rank's shards, saved with DCP);
-    `epoch_generator` the loader generator's state when this epoch's iterator was made.
+    (The train loader needs nothing: its generator and batches are seeded from (seed, epoch).)
     Under "ranks": what differs between ranks (RNG streams, the unreduced loss sums)."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    if d.any(not all(torch.isfinite(p).all() for p in local)):  # all ranks together: all save, or none
-        raise RunError(f"refusing to checkpoint non-finite weights at step {progress['step']}")
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in (*model.parameters(), *model.buffers())]
+    if d.any(not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())):  # all save, or none
+        raise RunError(f"refusing to checkpoint non-finite weights or buffers at step {progress['step']}")
     if isinstance(model, FSDPModule):
         model_state, optimizer_state = get_state_dict(model, optimizer)
     else:
         model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     return {"model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "progress": dict(progress),
-            "loader_generator": epoch_generator, "identity": identity, "wandb_run_id": wandb_run_id,
+            "identity": identity, "settings": settings,
+            "wandb_run_id": wandb_run_id,
             "ranks": {"rng": rng_state(), "meter": meter.state_dict()}}
 
 
@@ -208,6 +236,7 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
     if state["sharded"] != sharded:
         raise ConfigError(f"checkpoint.resume: {state['path']} was written with {_layout(state['sharded'])}, "
                           f"this run has {_layout(sharded)}; resume with the same parallel mode")
+    configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     if sharded:
         model_state, optimizer_state = get_state_dict(model, optimizer)  # the shapes to load into
         # DCP reads .metadata with pickle (weights_only does not apply): trusted checkpoints only.
@@ -221,7 +250,9 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
         load_model(model, state["model"], state["path"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    _apply_hyperparameters(optimizer, scheduler, configured)
+    if state["scaler"] and scaler.is_enabled():  # fp16 on both sides (else a fresh scaler, or none)
+        scaler.load_state_dict(state["scaler"])
     if saved_world == d.world_size:
         meter.load_state_dict(state["ranks"][d.rank]["meter"])
         set_rng_state(state["ranks"][d.rank]["rng"])
@@ -231,6 +262,22 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
     meter.load_state_dict(dict(counts, loss_sum=loss_sum))  # the row's loss is their all-reduced sum
     seed_all(int(np.random.SeedSequence([state["identity"]["seed"], state["progress"]["step"], d.rank]).generate_state(1)[0]))
     d.print0(f"checkpoint.resume: written by {saved_world} ranks, now {d.world_size}; per-rank RNG streams re-seeded")
+
+
+def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:
+    """The optimizer and schedule settings of this run's config, not the checkpoint's.
+
+    load_state_dict brings back the saved param_groups (lr, betas, weight decay, ...), which
+    would silently override a changed optim.* on resume. The configured values go back in, and
+    each group's lr is recomputed as LambdaLR does: base lr x the (rebuilt) schedule at the
+    restored step. With unchanged settings this reproduces the saved values exactly."""
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (LambdaLR keeps it in this attribute)
 
 
 def _layout(sharded: bool) -> str:

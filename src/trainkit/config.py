@@ -2,6 +2,7 @@
 import datetime
 import functools
 import os
+from pathlib import Path
 
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -20,10 +21,6 @@ def user_error(error: Exception) -> ConfigError | RunError | None:
     while error is not None and not isinstance(error, (ConfigError, RunError)):
         error = error.__cause__ if isinstance(error, InstantiationException) else None
     return error
-
-
-def _env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 @functools.cache
@@ -46,13 +43,29 @@ def run_stamp() -> str:
     return store.compare_set(key, "", stamp).decode()
 
 
-def rank_zero_only(value):
-    """The value on rank 0, None elsewhere (hydra.output_subdir: only rank 0 writes .hydra/)."""
-    return value if _env_rank() == 0 else None
-
-
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
-OmegaConf.register_new_resolver("rank_zero_only", rank_zero_only, replace=True)
+
+
+def save(cfg: DictConfig, run_dir: Path) -> None:
+    """Write .hydra/config.yaml (and, under @hydra.main, hydra.yaml and overrides.yaml) as Hydra
+    would. trainkit writes them itself (hydra.output_subdir is null), rank 0 only, once the run
+    is accepted: Hydra would write them before the task starts, so a refused resume would
+    overwrite the config of the finished run in that dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    directory = Path(run_dir) / ".hydra"
+    directory.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, directory / "config.yaml")
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), directory / "hydra.yaml")
+        OmegaConf.save(hydra_cfg.overrides.task, directory / "overrides.yaml")
+
+
+def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
+    """["optim.lr=0.003 -> 1e-06", ...]: settings under `prefixes` that differ from `saved`."""
+    keys = sorted(k for k in saved.keys() | current.keys() if k.startswith(prefixes))
+    return [f"{k}={saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
@@ -71,8 +84,28 @@ def _positive_int(key: str, value) -> None:
 
 
 def _optional_positive(key: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-        raise ConfigError(f"{key}={value} must be null or a positive number")
+    if value is not None:
+        _positive(key, value, "null or ")
+
+
+def _positive(key: str, value, also: str = "") -> None:
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(f"{key}={value} must be {also}a positive number")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _optional_positive_int(key: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{key}={value} must be null or a positive integer")
+
+
+def _non_negative(key: str, value, integer: bool = False) -> None:
+    kind = "an integer" if integer else "a number"
+    if not (isinstance(value, int) if integer else _is_number(value)) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{key}={value} must be {kind} >= 0")
 
 
 def check(cfg: DictConfig) -> None:
@@ -86,12 +119,20 @@ def check(cfg: DictConfig) -> None:
     _positive_int("trainer.epochs", cfg.trainer.epochs)
     _positive_int("trainer.eval_every", cfg.trainer.eval_every)
     _positive_int("trainer.log_every", cfg.trainer.log_every)
-    _optional_positive("trainer.max_steps", cfg.trainer.max_steps)
+    _optional_positive_int("trainer.max_steps", cfg.trainer.max_steps)
     _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
-    _optional_positive("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
-    _optional_positive("parallel.timeout_s", cfg.parallel.timeout_s)
-    if not isinstance(cfg.data.num_workers, int) or cfg.data.num_workers < 0:
-        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be an integer >= 0")
+    _optional_positive_int("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
+    _positive("parallel.timeout_s", cfg.parallel.timeout_s)
+    _optional_positive("parallel.bucket_cap_mb", cfg.parallel.get("bucket_cap_mb"))
+    _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
+    # Values that _target_ constructors would reject with a traceback (or accept silently).
+    for key in ("lr", "weight_decay", "momentum"):
+        if key in cfg.optim:
+            _non_negative(f"optim.{key}", cfg.optim[key])
+    if "warmup_steps" in cfg.sched:
+        _non_negative("sched.warmup_steps", cfg.sched.warmup_steps, integer=True)
+    if "min_ratio" in cfg.sched and not (_is_number(cfg.sched.min_ratio) and 0 <= cfg.sched.min_ratio <= 1):
+        raise ConfigError(f"sched.min_ratio={cfg.sched.min_ratio} must be a number in [0, 1]")
     if cfg.parallel.mode == "fsdp":
         _check_fsdp(cfg)
 

@@ -2,19 +2,24 @@
 contiguous shards that never pad or repeat a sample."""
 
 import itertools
+import math
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
+from torch.utils.data.dataloader import default_collate
 
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
+from trainkit.rng import rng_state, seed_all, set_rng_state
 
 
 def digits(val_fraction: float = 0.2) -> tuple[Dataset, Dataset]:
     """scikit-learn's bundled 8x8 digits, scaled to [0, 1]; a fixed split, whatever the seed."""
     from sklearn.datasets import load_digits
 
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1 (1 leaves no training samples)")
     images, targets = load_digits(return_X_y=True)
     order = np.random.RandomState(0).permutation(len(targets))
     n_val = round(len(targets) * val_fraction)
@@ -72,33 +77,96 @@ class ContiguousSampler(Sampler[int]):
         return self.end - self.start
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way (`start`: local samples to skip), so
-    a mid-epoch resume draws exactly the batches the uninterrupted run would have drawn, without
-    loading the skipped ones."""
+class TrainBatches(Sampler[tuple[int, list[int]]]):
+    """This rank's micro-batches of one epoch: DistributedSampler's shard of the epoch's
+    permutation without its padding repeats, cut into micro-batches, each with a seed.
 
-    start = 0
+    DistributedSampler pads the epoch to a multiple of the world size by repeating samples at
+    the end of some ranks' shards. They are cut off here, so they never reach a forward: neither
+    the loss nor BatchNorm statistics see them, and W ranks train exactly what one process does.
+    Such a rank's last micro-batch is one sample short, or missing (the loop then runs an empty
+    batch: every rank must run the same micro-steps). `start` skips micro-batches (a mid-epoch
+    resume) without loading them. The seed of micro-batch j is (seed, epoch, rank, j): SeededBatches
+    seeds the RNGs with it before loading the batch, so random augmentation draws the same numbers
+    in whichever worker loads it, and again after a resume.
+    """
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int):
+        self.shard = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=True,
+                                        seed=seed, drop_last=False)
+        real = len(range(rank, num_samples, world_size))  # this rank's shard less the padding
+        self.real, self.batches = real, math.ceil(real / batch_size)
+        self.batch_size, self.seed, self.rank, self.epoch, self.start = batch_size, seed, rank, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.shard.set_epoch(epoch)
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
+        indices = list(itertools.islice(self.shard, self.real))
+        for j in range(self.start, self.batches):
+            seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank, j]).generate_state(1)[0])
+            yield seed, indices[j * self.batch_size:(j + 1) * self.batch_size]
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return max(0, self.batches - self.start)
 
 
-def train_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int, seed: int):
-    """The train loader and its DistributedSampler (num_replicas=1 in single mode, so every mode
-    sees the same global batches). The sampler pads to a multiple of the world size; the loop
-    gives padded samples zero weight (see accumulate.EpochLayout). Call sampler.set_epoch."""
-    sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, shuffle=True,
-                                 seed=seed, drop_last=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                        generator=torch.Generator().manual_seed(seed),  # not the global RNG
-                        pin_memory=d.device.type == "cuda", persistent_workers=num_workers > 0)
-    return loader, sampler
+class SeededBatches(Dataset):
+    """`dataset`, loaded a micro-batch at a time (TrainBatches' `(seed, indices)`) with python,
+    numpy and torch seeded by the batch's seed first.
+
+    Loader workers are persistent and their RNG streams are in no checkpoint; seeding per batch
+    makes what a random augmentation draws a function of the batch alone. In the main process
+    (num_workers=0) the RNG streams of training (dropout) are put back afterwards."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, batch: tuple[int, list[int]]) -> list:
+        seed, indices = batch
+        saved = rng_state() if get_worker_info() is None else None
+        seed_all(seed)
+        try:
+            return [self.dataset[i] for i in indices]
+        finally:
+            if saved is not None:
+                set_rng_state(saved)
+
+
+class TrainLoader:
+    """The train loader: this rank's micro-batches (TrainBatches) and then, up to `micro_batches`
+    per epoch, empty ones (the rank whose last micro-batch held only padding still runs it)."""
+
+    def __init__(self, dataset: Dataset, d: Dist, batch_size: int, num_workers: int, seed: int, micro_batches: int):
+        self.sampler = TrainBatches(len(dataset), d.world_size, d.rank, batch_size, seed)
+        self.loader = DataLoader(SeededBatches(dataset), batch_sampler=self.sampler, num_workers=num_workers,
+                                 generator=torch.Generator(),  # not the global RNG (it seeds the workers)
+                                 pin_memory=d.device.type == "cuda", persistent_workers=num_workers > 0)
+        self.dataset, self.seed, self.micro_batches = dataset, seed, micro_batches
+
+    def epoch(self, epoch: int, start: int = 0):
+        """An iterator over the micro-batches of `epoch` from micro-batch `start` on. What it
+        yields depends on (seed, epoch, start) alone, so a resumed run needs no loader state."""
+        self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
+        self.sampler.start = start
+        self.loader.generator.manual_seed(self.seed + epoch)  # what the iterator draws (worker seeds)
+        return itertools.chain(self.loader, self._empty(max(self.sampler.batches, start)))
+
+    def _empty(self, ran: int):
+        if ran < self.micro_batches:
+            empty = tuple(t[:0] for t in default_collate([self.dataset[0]]))  # right shape and dtype
+            yield from itertools.repeat(empty, self.micro_batches - ran)
 
 
 def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int) -> DataLoader:
     sampler = ContiguousSampler(len(dataset), d.world_size, d.rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      generator=torch.Generator(),  # its iterator draws a seed: not from the training RNG
                       pin_memory=d.device.type == "cuda")

@@ -62,10 +62,14 @@ class Dist:
 
     def any(self, flag: bool | torch.Tensor) -> bool:
         """True on every rank when the flag is set on any rank (so all ranks take one branch)."""
-        flag = torch.as_tensor(flag, dtype=torch.int32, device=self.device).reshape(1)
+        return self.any_each(torch.as_tensor(flag).reshape(1))[0]
+
+    def any_each(self, flags: torch.Tensor) -> list[bool]:
+        """any() for each of several flags, in one all-reduce."""
+        flags = flags.to(device=self.device, dtype=torch.int32)
         if self.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [bool(f) for f in flags.tolist()]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -82,8 +86,9 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600) -> Dist:
-    """Join the torchrun process group (none without torchrun) and pick this rank's device."""
+def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, job: int = 0) -> Dist:
+    """Join the torchrun process group (none without torchrun) and pick this rank's device.
+    `job`: the job's number in a Hydra sweep (each job builds its own process group)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -96,23 +101,25 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600) ->
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_store(world_size, timeout), rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=_store(world_size, timeout, job), rank=rank, world_size=world_size,
                                 timeout=timeout, device_id=device if device.type == "cuda" else None)
     return Dist(rank, local_rank, world_size, device)
 
 
-def _store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """torchrun's own store, under a prefix for this restart round, or None (env:// default).
+def _store(world_size: int, timeout: datetime.timedelta, job: int) -> dist.Store | None:
+    """torchrun's own store, under a prefix for this restart round and sweep job, or None
+    (env:// default).
 
-    torchrun --max-restarts keeps its store across restart rounds; a restarted round that meets
-    the failed round's keys fails with "Gloo connectFullMesh failed" (torch 2.14.1). A fresh
-    prefix per round (TORCHELASTIC_RESTART_COUNT) keeps the rounds apart.
+    torchrun --max-restarts keeps its store across restart rounds, and a Hydra sweep under
+    torchrun builds one process group per job in the same workers. A process group that meets
+    the keys of an earlier one fails with "Gloo connectFullMesh failed" (torch 2.14.1). A fresh
+    prefix per round (TORCHELASTIC_RESTART_COUNT) and per job keeps them apart.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job_{job}", store)
 
 
 def lost_peer(error: BaseException) -> bool:

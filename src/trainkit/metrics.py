@@ -1,4 +1,5 @@
 """Metrics from rank 0 only: metrics.jsonl in the run dir, the console, and W&B."""
+import contextlib
 import json
 import netrc
 import os
@@ -14,9 +15,13 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, wandb_id: str | None):
         path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and path.exists():  # rows past the checkpoint will be logged again
+        # A fresh run starts the file anew (a previous attempt that died before its first
+        # checkpoint left rows of steps that will be trained again); a resumed one keeps the rows
+        # up to its checkpoint: those past it will be logged again.
+        kept = []
+        if resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+        path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")
         self.wandb = _start_wandb(run_dir, cfg, wandb_id) if cfg.logger.name == "wandb" else None
 
@@ -101,6 +106,20 @@ class TrainMeter:
         self.steps = self.window_samples = self.row_skipped = self.row_samples = 0
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
         self.started = time.perf_counter()
+
+    def start_clock(self) -> None:
+        """Throughput counts from here (not from start-up)."""
+        self.started = time.perf_counter()
+        self.row_samples = 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent in the body (evaluation, checkpoints) does not count as training time."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - started
 
     def add_micro_step(self, loss_sum: torch.Tensor) -> None:
         """loss_sum: this rank's summed per-sample loss of one micro-batch (padding weighs 0)."""

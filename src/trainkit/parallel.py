@@ -51,10 +51,12 @@ def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
 
 
 def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precision: str = "fp32",
-         shard_units=None, reshard_after_forward: bool = True) -> tuple[nn.Module, CommStats]:
+         shard_units=None, reshard_after_forward: bool = True, bucket_cap_mb: float | None = None
+         ) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
-    for `mode`; returns the counters of its gradient syncs. FSDP only: `shard_units`,
-    `reshard_after_forward`, and `precision` (bf16 on CUDA: a bf16 MixedPrecisionPolicy)."""
+    for `mode`; returns the counters of its gradient syncs. DDP only: `bucket_cap_mb` (None:
+    torch's default, 25). FSDP only: `shard_units`, `reshard_after_forward`, and `precision`
+    (bf16 on CUDA: a bf16 MixedPrecisionPolicy)."""
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
@@ -64,7 +66,8 @@ def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precisi
         # broadcast of rank 0's buffers before every forward would only cost time.
         # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets, not in a second copy.
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                    forward_sync_buffers=not sync_bn, gradient_as_bucket_view=True)
+                    forward_sync_buffers=not sync_bn, gradient_as_bucket_view=True,
+                    **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
         model.register_comm_hook(stats, _counting_allreduce)
     elif mode == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))

@@ -1,9 +1,10 @@
 # make train: set up .venv from pyproject.toml and run the default job. make test: set up and test.
+# make lint: ruff (lint + format check) and mypy, as CI runs them. make format: apply ruff's fixes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test clean
+.PHONY: train test lint format clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +16,15 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) outputs multirun

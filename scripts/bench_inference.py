@@ -8,6 +8,7 @@ including the gather of all logits back into dataset order. Data: random fake-li
 images. The timer runs on rank 0 from a barrier to the end of the gather, so it covers the
 slowest rank; best of --repeats. The two runs must give the same predictions (checked).
 """
+
 import argparse
 import os
 import socket
@@ -43,7 +44,7 @@ def worker(rank: int, world_size: int, port: int, args, results):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     d = Dist(rank, rank, world_size, torch.device("cpu"))
     data, model = fake_data(args.samples), build_model(args.model)
-    warmup = TensorDataset(*data[:args.batch_size * world_size])
+    warmup = TensorDataset(*data[: args.batch_size * world_size])
     predict(model, eval_loader(warmup, d, args.batch_size, 0), d)  # allocator and kernel warm-up
     times = []
     for _ in range(args.repeats):  # best of N: the machine may be busy with something else
@@ -62,8 +63,9 @@ def measure(world_size: int, args) -> tuple[float, list]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(world_size, port, args, results), nprocs=world_size, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(world_size, port, args, results), nprocs=world_size, join=True, start_method="spawn"
+    )
     return results.get()
 
 
@@ -74,16 +76,20 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"{args.model} on {args.samples} fake 3x32x32 images, batch {args.batch_size} per rank, "
-          f"gloo, 1 thread per rank, best of {args.repeats} | {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.model} on {args.samples} fake 3x32x32 images, batch {args.batch_size} per rank, "
+        f"gloo, 1 thread per rank, best of {args.repeats} | {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     throughput, predictions = {}, {}
     for world_size in (1, 2):
         elapsed, predictions[world_size] = measure(world_size, args)
         throughput[world_size] = args.samples / elapsed
         print(f"W={world_size}: {elapsed:6.2f} s  {throughput[world_size]:8.1f} samples/s")
-    print(f"speed-up W=2 / W=1: {throughput[2] / throughput[1]:.2f}x | same predictions: "
-          f"{predictions[1] == predictions[2]}")
+    print(
+        f"speed-up W=2 / W=1: {throughput[2] / throughput[1]:.2f}x | same predictions: "
+        f"{predictions[1] == predictions[2]}"
+    )
 
 
 if __name__ == "__main__":

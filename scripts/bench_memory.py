@@ -19,6 +19,7 @@ the whole step, which counts all of those.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--model resnet18|mlp] [--world-size 2] [--steps 2]
 """
+
 import argparse
 import os
 import socket
@@ -38,8 +39,11 @@ from trainkit.dist import Dist  # noqa: E402
 from trainkit.models import mlp, resnet18  # noqa: E402
 from trainkit.parallel import wrap  # noqa: E402
 
-RUNS = [("DDP", "ddp", "no_sync"), ("FSDP no_sync", "fsdp", "no_sync"),
-        ("FSDP sync_each_batch", "fsdp", "sync_each_batch")]
+RUNS = [
+    ("DDP", "ddp", "no_sync"),
+    ("FSDP no_sync", "fsdp", "no_sync"),
+    ("FSDP sync_each_batch", "fsdp", "sync_each_batch"),
+]
 
 
 def nbytes(tensors) -> int:
@@ -103,8 +107,14 @@ def one_run(d: Dist, name: str, mode: str, strategy: str, args) -> dict:
     after = measure(model, optimizer)
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else None
     optimizer.zero_grad(set_to_none=True)
-    return {"name": name, "params": after["params"], "grads_mid": mid["grads"] if mid else None,
-            "grads_after": after["grads"], "optim": after["optim"], "peak": peak}
+    return {
+        "name": name,
+        "params": after["params"],
+        "grads_mid": mid["grads"] if mid else None,
+        "grads_after": after["grads"],
+        "optim": after["optim"],
+        "peak": peak,
+    }
 
 
 def worker(rank: int, world_size: int, port: int, args) -> None:
@@ -130,8 +140,10 @@ def mib(b) -> str:
 
 def report(per_rank: list[list[dict]], args, device) -> None:
     world = len(per_rank)
-    print(f"{args.model}, W={world} ranks on {device.type}, K={args.steps} micro-batches of {args.batch}, AdamW; "
-          "MiB per rank (the largest over ranks)")
+    print(
+        f"{args.model}, W={world} ranks on {device.type}, K={args.steps} micro-batches of {args.batch}, AdamW; "
+        "MiB per rank (the largest over ranks)"
+    )
     keys = ["params", "grads_mid", "grads_after", "optim", "peak"]
     rows = []
     for i, run in enumerate(per_rank[0]):
@@ -142,8 +154,14 @@ def report(per_rank: list[list[dict]], args, device) -> None:
         row["total_mid"] = row["params"] + (row["grads_mid"] or 0) + row["optim"]
         rows.append(row)
     cols = ["params", "grads_mid", "grads_after", "optim", "total_mid"] + (["peak"] if rows[0]["peak"] else [])
-    titles = {"params": "parameters", "grads_mid": "grads mid-window", "grads_after": "grads after sync",
-              "optim": "AdamW state", "total_mid": "sum mid-window", "peak": "CUDA peak"}
+    titles = {
+        "params": "parameters",
+        "grads_mid": "grads mid-window",
+        "grads_after": "grads after sync",
+        "optim": "AdamW state",
+        "total_mid": "sum mid-window",
+        "peak": "CUDA peak",
+    }
     print(f"| {'run':<22} | " + " | ".join(f"{titles[c]:>16}" for c in cols) + " |")
     print(f"|{'-' * 24}|" + "|".join("-" * 18 for _ in cols) + "|")
     base = rows[0]
@@ -168,8 +186,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(args.world_size, port, args), nprocs=args.world_size, join=True, start_method="spawn"
+    )
 
 
 if __name__ == "__main__":

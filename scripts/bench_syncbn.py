@@ -8,6 +8,7 @@ backward). Timed in alternating rounds so that load on the machine hits both ali
 
     OMP_NUM_THREADS=1 python scripts/bench_syncbn.py [--iters 40] [--batch 32]
 """
+
 import argparse
 import copy
 import os
@@ -30,8 +31,15 @@ from trainkit.syncbn import convert_sync_batchnorm  # noqa: E402
 def make_net(width: int = 32) -> nn.Module:
     def block(c_in: int, c_out: int, stride: int = 1) -> list[nn.Module]:
         return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU()]
-    return nn.Sequential(*block(3, width // 2), *block(width // 2, width, 2), *block(width, width),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10))
+
+    return nn.Sequential(
+        *block(3, width // 2),
+        *block(width // 2, width, 2),
+        *block(width, width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width, 10),
+    )
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -48,6 +56,7 @@ def count_collectives(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Cou
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for name in originals:
@@ -102,8 +111,10 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
 
     if rank == 0:
         n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in plain.modules())
-        print(f"{world_size} gloo ranks x 1 thread, batch {args.batch}/rank of 3x32x32, {n_bn} conv-BN-ReLU "
-              f"blocks; forward+backward, median of {args.rounds} rounds x {iters_per_round} iters")
+        print(
+            f"{world_size} gloo ranks x 1 thread, batch {args.batch}/rank of 3x32x32, {n_bn} conv-BN-ReLU "
+            f"blocks; forward+backward, median of {args.rounds} rounds x {iters_per_round} iters"
+        )
         print(f"{'model':<24} {'ms/iter':>8} {'(min)':>7} {'ratio':>6}  collectives per iteration")
         base = statistics.median(per_round["BatchNorm2d"])
         for name in models:
@@ -111,8 +122,10 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
             comm = ", ".join(f"{k} {v}" for k, v in sorted(calls[name].items())) or "none"
             print(f"{name:<24} {ms:8.2f} {min(per_round[name]):7.2f} {ms / base:6.2f}  {comm}")
         print(f"expected for SyncBN: all_gather {n_bn} (1 per BN forward), all_reduce {n_bn} (1 per BN backward)")
-        print(f"one all_gather + one all_reduce of ~65 numbers: {pair_ms:.2f} ms, "
-              f"so ~{n_bn * pair_ms:.1f} ms/iter of the difference is collective latency")
+        print(
+            f"one all_gather + one all_reduce of ~65 numbers: {pair_ms:.2f} ms, "
+            f"so ~{n_bn * pair_ms:.1f} ms/iter of the difference is collective latency"
+        )
     dist.destroy_process_group()
 
 
@@ -128,8 +141,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size,
-                       start_method="spawn")
+    mp.start_processes(worker, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
 
 
 if __name__ == "__main__":

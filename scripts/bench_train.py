@@ -9,6 +9,7 @@ the final evaluation and checkpoint are left out; the plain loop is timed over t
 half of its steps. The difference is what trainkit adds per step: the sample weights, the
 metrics sums, the all-ranks non-finite check (one host sync per step) and the sampler.
 """
+
 import argparse
 import json
 import math
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
 from trainkit import dist  # noqa: E402
-from trainkit.inference import autocast_for  # noqa: E402
+from trainkit.precision import autocast_for  # noqa: E402
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
@@ -79,11 +80,21 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"trainer.max_steps={args.steps}", f"trainer.log_every={args.steps // 2}",
-                                          f"trainer.eval_every={args.steps}", "checkpoint.every=0", *args.overrides])
+        cfg = compose(
+            "train",
+            overrides=[
+                f"trainer.max_steps={args.steps}",
+                f"trainer.log_every={args.steps // 2}",
+                f"trainer.eval_every={args.steps}",
+                "checkpoint.every=0",
+                *args.overrides,
+            ],
+        )
     d = dist.init("auto", cfg.trainer.device)
-    print(f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
-          f"{d.device}, {torch.get_num_threads()} threads; best of {args.repeats}, second half of {args.steps} steps")
+    print(
+        f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
+        f"{d.device}, {torch.get_num_threads()} threads; best of {args.repeats}, second half of {args.steps} steps"
+    )
     plain, ours = [], []
     for _ in range(args.repeats):  # alternate, so that load on the machine hits both alike
         plain.append(plain_loop(cfg, d, args.steps))

@@ -5,6 +5,7 @@ Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
 predictions.csv and metrics.json into this job's own run dir: the same files for any N.
 """
+
 import json
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from trainkit import config, dist
 from trainkit.checkpoint import load_model
 from trainkit.config import ConfigError, user_error
 from trainkit.data import eval_loader
-from trainkit.inference import autocast_for, predict
+from trainkit.inference import predict
+from trainkit.precision import autocast_for
 
 SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
 
@@ -38,7 +40,10 @@ def load_run_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"split={cfg.split} is not one of: {', '.join(SPLITS)}")
     if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
         raise ConfigError(f"batch_size={cfg.batch_size} must be null or a positive integer")
-    return OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    if not isinstance(run_cfg, DictConfig):
+        raise ConfigError(f"run_dir={run_dir}: .hydra/config.yaml is not a training run's config")
+    return run_cfg
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -46,8 +51,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
         state = torch.load(path, weights_only=True, map_location="cpu")  # never unpickle code
     except Exception as error:
         # torch's message runs over many lines; the type is enough to tell corrupt from unsafe.
-        raise ConfigError(f"{path} is no state_dict that torch.load(weights_only=True) reads "
-                          f"({type(error).__name__})") from None
+        raise ConfigError(
+            f"{path} is no state_dict that torch.load(weights_only=True) reads ({type(error).__name__})"
+        ) from None
     load_model(model, state, f"{path} (the run's model config)")
 
 
@@ -66,7 +72,7 @@ def write_predictions(path: Path, logits: torch.Tensor, targets: torch.Tensor, p
     if probs:
         header += [f"prob_{c}" for c in range(logits.shape[1])]
     prob_rows = logits.softmax(dim=1).tolist() if probs else [[]] * len(targets)
-    rows = zip(targets.tolist(), logits.argmax(dim=1).tolist(), prob_rows)
+    rows = zip(targets.tolist(), logits.argmax(dim=1).tolist(), prob_rows, strict=True)
     with open(path, "w") as f:
         f.write(",".join(header) + "\n")
         for index, (target, prediction, p) in enumerate(rows):
@@ -85,8 +91,10 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     loader = eval_loader(dataset, d, batch_size, run_cfg.data.num_workers)
     model = instantiate(run_cfg.model)
     load_weights(model, run_dir / "model.pt")
-    d.print0(f"predict | run dir {run_dir} | split={cfg.split} ({len(dataset)} samples) | {d.world_size} "
-             f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}")
+    d.print0(
+        f"predict | run dir {run_dir} | split={cfg.split} ({len(dataset)} samples) | {d.world_size} "
+        f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
+    )
 
     out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
     metrics = metrics_of(out["logits"], out["targets"])
@@ -94,13 +102,15 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
         config.save(cfg, out_dir)
         write_predictions(out_dir / "predictions.csv", out["logits"], out["targets"], cfg.predict.probs)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    d.print0(f"done: accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} on {metrics['samples']} "
-             f"{cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json")
+    d.print0(
+        f"done: accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} on {metrics['samples']} "
+        f"{cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json"
+    )
     return metrics["accuracy"]
 
 
 @hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> float | None:
     try:
         run_cfg = load_run_config(cfg)  # before the process group: fail fast, on every rank alike
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)

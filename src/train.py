@@ -3,8 +3,11 @@
 
 Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 """
+
 import math
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import hydra
 import torch
@@ -20,9 +23,9 @@ from trainkit.config import ConfigError
 from trainkit.data import TrainLoader, eval_loader
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
-from trainkit.inference import autocast_for
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
+from trainkit.precision import autocast_for
 from trainkit.rng import seed_all
 
 
@@ -39,21 +42,29 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     K = config.accumulation_steps(cfg, d.world_size)
     layout = EpochLayout(len(train_set), d.world_size, cfg.data.batch_size, K)
     loader = TrainLoader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed, layout.micro_batches)
-    val_loader = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
+    val_loader: Iterable = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
     if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
         val_loader = EqualBatches(val_loader, d.world_size)
     steps_per_epoch = layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
-        raise ConfigError(f"data.drop_last=true drops every sample: the global batch {layout.global_batch} "
-                          f"is larger than the {len(train_set)} training samples")
+        raise ConfigError(
+            f"data.drop_last=true drops every sample: the global batch {layout.global_batch} "
+            f"is larger than the {len(train_set)} training samples"
+        )
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
-    model, comm = wrap(instantiate(cfg.model), mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision,
-                       shard_units=cfg.parallel.get("shard_units"),
-                       reshard_after_forward=cfg.parallel.get("reshard_after_forward", True),
-                       bucket_cap_mb=cfg.parallel.get("bucket_cap_mb"))
+    model, comm = wrap(
+        instantiate(cfg.model),
+        mode,
+        d,
+        cfg.parallel.sync_bn,
+        precision=cfg.trainer.precision,
+        shard_units=cfg.parallel.get("shard_units"),
+        reshard_after_forward=cfg.parallel.get("reshard_after_forward", True),
+        bucket_cap_mb=cfg.parallel.get("bucket_cap_mb"),
+    )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
@@ -65,11 +76,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     meter = TrainMeter(d, comm)
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d,
-                                sharded=mode == "fsdp")  # FSDP: each rank writes its shards (DCP)
-    identity = {"global_batch": layout.global_batch, "seed": cfg.seed, "optim._target_": cfg.optim._target_,
-                **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
-                **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits")}
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
+    )  # FSDP: each rank writes its shards (DCP)
+    identity = {
+        "global_batch": layout.global_batch,
+        "seed": cfg.seed,
+        "optim._target_": cfg.optim._target_,
+        **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
+        **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
+    }
     settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
     start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
@@ -77,8 +93,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if resumed:
         check_compatible(resumed["identity"], identity)
         if resumed["progress"]["step"] > total_steps:
-            d.print0(f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
-                     f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is")
+            d.print0(
+                f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
+                f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is"
+            )
             return None
         restore(resumed, unwrap(model), optimizer, scheduler, scaler, meter, d)
         start = resumed["progress"]
@@ -88,11 +106,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if d.is_main:
         config.save(cfg, run_dir)  # only now: a refused run leaves the run dir as it was
 
-    d.print0(f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
-             f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
-             f"global batch {layout.global_batch} = {d.world_size} ranks x {cfg.data.batch_size} micro-batch "
-             f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
-             f"{total_steps} steps, {epochs} epochs | run dir {run_dir}")
+    d.print0(
+        f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
+        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
+        f"global batch {layout.global_batch} = {d.world_size} ranks x {cfg.data.batch_size} micro-batch "
+        f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
+        f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
+    )
 
     step, val = start["step"], {}
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
@@ -136,23 +156,40 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 step += 1
                 meter.add_step(grad_norm, samples, skipped=outcome != "step")
 
-                row = {}
+                row: dict[str, float] = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:
                     row |= meter.row() | {"lr": lr}
-                    d.print0(f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
-                             f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s")
+                    d.print0(
+                        f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
+                        f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
+                    )
                 with meter.paused():
                     if (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set):
                         row |= (val := evaluate(unwrap(model), val_loader, d, autocast))
-                        d.print0(f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
-                                 f"val acc {val['val/acc']:.4f}")
+                        d.print0(
+                            f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
+                            f"val acc {val['val/acc']:.4f}"
+                        )
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
                     if checkpointer.due(step, total_steps):
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        checkpointer.save(step, snapshot(unwrap(model), optimizer, scheduler, scaler, meter, progress,
-                                                         identity, settings, logger.run_id, d))
+                        checkpointer.save(
+                            step,
+                            snapshot(
+                                unwrap(model),
+                                optimizer,
+                                scheduler,
+                                scaler,
+                                meter,
+                                progress,
+                                identity,
+                                settings,
+                                logger.run_id,
+                                d,
+                            ),
+                        )
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_loader, d, autocast)
@@ -168,7 +205,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 def main(cfg: DictConfig) -> float | None:
     try:
         config.check(cfg)
-        job = OmegaConf.select(HydraConfig.get(), "job.num", default=0)  # the job's number in a sweep
+        hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig at run time
+        job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
         return train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
@@ -176,8 +214,11 @@ def main(cfg: DictConfig) -> float | None:
         if (known := config.user_error(error)) is not None:
             dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
         if dist.lost_peer(error):
-            dist.fail(f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s}): "
-                      f"{str(error).strip().splitlines()[0][:300]}", 1)
+            dist.fail(
+                f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s}): "
+                f"{str(error).strip().splitlines()[0][:300]}",
+                1,
+            )
         raise
     finally:
         dist.teardown()

@@ -1,4 +1,5 @@
 """Test helpers: run a function on W gloo ranks; run the real entry points as a user would."""
+
 import os
 import signal
 import socket
@@ -38,20 +39,33 @@ def run_distributed(fn, world_size: int = 2, *args):
     group, real collectives); returns the list of per-rank return values. fn must be a
     module-level function (spawn pickles it)."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, result_dir),
-                           nprocs=world_size, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(world_size, _free_port(), fn, args, result_dir),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0",
-               PYTHONPATH=str(ROOT / "tests"))  # so model._target_=helpers.faulty_mlp resolves
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT / "tests")
+    )  # so model._target_=helpers.faulty_mlp resolves
     env.pop("WANDB_API_KEY", None)
     return env
 
 
-def run_train(run_dir: Path, *overrides: str, nproc: int = 1, script: str = "src/train.py",
-              check: bool = True, torchrun: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+def run_train(
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    script: str = "src/train.py",
+    check: bool = True,
+    torchrun: tuple[str, ...] = (),
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
     """Run an entry point as a user would: python (nproc=1, no torchrun args) or torchrun."""
     launcher = [sys.executable]
     if nproc > 1 or torchrun:
@@ -62,7 +76,6 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, script: str = "src
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
-
 
 
 def assert_equal(a, b, where: str):
@@ -76,7 +89,7 @@ def assert_equal(a, b, where: str):
             assert_equal(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
@@ -118,8 +131,9 @@ class Faulty(nn.Module):
         return out
 
 
-def faulty_model(name: str, fault: str, at_forward: int, rank: int = 0, marker: str = "/nonexistent",
-                 **model_args) -> nn.Module:
+def faulty_model(
+    name: str, fault: str, at_forward: int, rank: int = 0, marker: str = "/nonexistent", **model_args
+) -> nn.Module:
     """trainkit.models.<name>(**model_args) wrapped in Faulty; from the command line:
     model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
     from trainkit import models

@@ -1,5 +1,6 @@
 """Checkpoints: bitwise resume after a real crash, torchrun restarts, atomic saves, clear refusals,
 non-finite losses handled on all ranks together, and a hung peer ending the job."""
+
 import json
 import math
 import time
@@ -19,14 +20,32 @@ CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 # A BatchNorm model with dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch
 # (15 steps per epoch on one rank, 8 on two) and in the middle of a log row (rows every 3 steps).
-RUN = ["model=cnn", "model.width=8", "model.dropout=0.2", "optim=adamw", "sched=cosine", "sched.warmup_steps=3",
-       "accumulation.steps=3", "data.batch_size=32", "trainer.max_steps=20", "trainer.log_every=3",
-       "trainer.eval_every=100", "checkpoint.every=10", "checkpoint.keep=5"]
+RUN = [
+    "model=cnn",
+    "model.width=8",
+    "model.dropout=0.2",
+    "optim=adamw",
+    "sched=cosine",
+    "sched.warmup_steps=3",
+    "accumulation.steps=3",
+    "data.batch_size=32",
+    "trainer.max_steps=20",
+    "trainer.log_every=3",
+    "trainer.eval_every=100",
+    "checkpoint.every=10",
+    "checkpoint.keep=5",
+]
 
 
 def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
-    return ["model._target_=helpers.faulty_model", "+model.name=cnn", f"+model.fault='{fault}'",
-            f"+model.at_forward={at_forward}", f"+model.rank={rank}", f"+model.marker={marker}"]
+    return [
+        "model._target_=helpers.faulty_model",
+        "+model.name=cnn",
+        f"+model.fault='{fault}'",
+        f"+model.at_forward={at_forward}",
+        f"+model.rank={rank}",
+        f"+model.marker={marker}",
+    ]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -45,6 +64,7 @@ def assert_same_run(a: Path, b: Path):
     assert rows(a) == rows(b)  # the same losses: the same batches were drawn after the resume
 
 
+@pytest.mark.slow
 def test_single_process_killed_after_step_10_resumes_bitwise(tmp_path):
     marker = tmp_path / "killed"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
@@ -59,6 +79,7 @@ def test_single_process_killed_after_step_10_resumes_bitwise(tmp_path):
     assert_same_run(straight, crashed)
 
 
+@pytest.mark.slow
 def test_torchrun_restart_after_a_killed_worker_resumes_bitwise(tmp_path):
     marker = tmp_path / "killed"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
@@ -89,11 +110,14 @@ def test_keep_last_n_and_the_final_checkpoint(short_run):
     assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_00000004.pt"]
 
 
-@pytest.mark.parametrize("override,named", [
-    ("data.batch_size=16", "global_batch=32, this run has global_batch=16"),
-    ("model.width=64", "model.width=128, this run has model.width=64"),
-    ("seed=1", "seed=0, this run has seed=1"),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("data.batch_size=16", "global_batch=32, this run has global_batch=16"),
+        ("model.width=64", "model.width=128, this run has model.width=64"),
+        ("seed=1", "seed=0, this run has seed=1"),
+    ],
+)
 def test_a_resume_that_cannot_be_exact_is_refused_naming_the_difference(short_run, tmp_path, override, named):
     resume = f"checkpoint.resume={short_run / 'checkpoints' / 'step_00000004.pt'}"
     with pytest.raises(ConfigError, match=named):
@@ -129,17 +153,21 @@ def test_auto_without_checkpoint_starts_fresh_and_keep_must_be_positive(tmp_path
 NAN = ["model=cnn", "model.width=8", "trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every=2"]
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_raise_stops_every_rank_before_stepping(tmp_path):
     proc = run_train(tmp_path, *NAN, *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, check=False, timeout=180)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: non-finite loss or gradient at step 5 (trainer.on_nonfinite=raise; skip drops such windows)"]
+    assert errors == [
+        "error: non-finite loss or gradient at step 5 (trainer.on_nonfinite=raise; skip drops such windows)"
+    ]
     assert not (tmp_path / "model.pt").exists()
     last = torch.load(tmp_path / "checkpoints" / "step_00000004.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in last["model"].values())
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002.pt", "step_00000004.pt"]
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
     run_train(tmp_path, *NAN, "trainer.on_nonfinite=skip", *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, timeout=180)
     log = rows(tmp_path)
@@ -150,10 +178,12 @@ def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+@pytest.mark.slow
 def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path):
     started = time.monotonic()
-    proc = run_train(tmp_path, *NAN, "parallel.timeout_s=3", *faulty("hang", 3, 1, tmp_path / "m"), nproc=2,
-                     check=False, timeout=120)
+    proc = run_train(
+        tmp_path, *NAN, "parallel.timeout_s=3", *faulty("hang", 3, 1, tmp_path / "m"), nproc=2, check=False, timeout=120
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert "error: a collective failed, a peer rank died or hangs (parallel.timeout_s=3)" in proc.stderr
@@ -161,6 +191,7 @@ def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path):
 
 
 # --- off the happy path: skipped steps leave no trace, resumes that change settings ---------
+
 
 def train_in(run_dir: Path, *overrides):
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,8 +202,16 @@ def checkpoint(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)
 
 
-SKIP = ["model=cnn", "model.width=8", "trainer.max_steps=6", "trainer.log_every=1", "checkpoint.every=1",
-        "checkpoint.keep=10", "trainer.on_nonfinite=skip", "sched.warmup_steps=2"]
+SKIP = [
+    "model=cnn",
+    "model.width=8",
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "checkpoint.every=1",
+    "checkpoint.keep=10",
+    "trainer.on_nonfinite=skip",
+    "sched.warmup_steps=2",
+]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -193,28 +232,42 @@ def test_a_skipped_window_leaves_no_trace_in_weights_buffers_optimizer_scaler_or
 def test_fp16_overflow_is_gradscalers_skip_the_schedule_waits_and_the_row_leaves_it_out(tmp_path):
     # Step 3's gradient is infinite, its loss finite: GradScaler's overflow, not a non-finite
     # loss (on_nonfinite=raise must not stop the run). The scale backs off, the LR stays.
-    train_in(tmp_path, *SKIP[:-2], "trainer.on_nonfinite=raise", "trainer.log_every=2", "sched.warmup_steps=4",
-             "trainer.precision=fp16", *faulty("inf_grad", 3, 0, tmp_path / "m"))
+    train_in(
+        tmp_path,
+        *SKIP[:-2],
+        "trainer.on_nonfinite=raise",
+        "trainer.log_every=2",
+        "sched.warmup_steps=4",
+        "trainer.precision=fp16",
+        *faulty("inf_grad", 3, 0, tmp_path / "m"),
+    )
     log = [r for r in rows(tmp_path) if "loss" in r]
     assert [r["skipped_steps"] for r in log] == [0, 1, 1]
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in log)
-    assert checkpoint(tmp_path, 2)["scaler"]["scale"] == 2.0 ** 16
-    assert checkpoint(tmp_path, 3)["scaler"]["scale"] == 2.0 ** 15
+    assert checkpoint(tmp_path, 2)["scaler"]["scale"] == 2.0**16
+    assert checkpoint(tmp_path, 3)["scaler"]["scale"] == 2.0**15
     assert checkpoint(tmp_path, 3)["scheduler"]["last_epoch"] == checkpoint(tmp_path, 2)["scheduler"]["last_epoch"] == 2
     assert_equal(checkpoint(tmp_path, 3)["optimizer"], checkpoint(tmp_path, 2)["optimizer"], "optimizer")
     # The LR logged for step 4 is the schedule at 2 steps taken, as for step 3.
     assert checkpoint(tmp_path, 6)["scheduler"]["last_epoch"] == 5
 
 
+@pytest.mark.slow
 def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
     run_train(tmp_path, "trainer.max_steps=5", "model.width=16")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     mtimes = {p: p.stat().st_mtime_ns for p in before}
     for overrides, message in [
-        (["model.width=64"], "checkpoint.resume: the checkpoint was written with model.width=16, this run has "
-                             "model.width=64; exact resume needs the same (or choose another hydra.run.dir)"),
-        (["checkpoint.resume=null"], f"hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
-                                     "resume it with checkpoint.resume=auto, or choose another hydra.run.dir"),
+        (
+            ["model.width=64"],
+            "checkpoint.resume: the checkpoint was written with model.width=16, this run has "
+            "model.width=64; exact resume needs the same (or choose another hydra.run.dir)",
+        ),
+        (
+            ["checkpoint.resume=null"],
+            f"hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
+            "resume it with checkpoint.resume=auto, or choose another hydra.run.dir",
+        ),
     ]:
         proc = run_train(tmp_path, "trainer.max_steps=5", "model.width=16", *overrides, check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
@@ -224,11 +277,19 @@ def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
 
 def test_resume_applies_changed_optimizer_settings_and_says_so(tmp_path, capsys):
     train_in(tmp_path, "trainer.max_steps=5", "sched=constant")
-    train_in(tmp_path, "trainer.max_steps=8", "sched=constant", "optim.lr=1e-6", "optim.weight_decay=0.5",
-             "trainer.log_every=1")
+    train_in(
+        tmp_path,
+        "trainer.max_steps=8",
+        "sched=constant",
+        "optim.lr=1e-6",
+        "optim.weight_decay=0.5",
+        "trainer.log_every=1",
+    )
     out = capsys.readouterr().out
-    assert ("resume: applying the changed settings optim.lr=0.003 -> 1e-06, optim.weight_decay=0.01 -> 0.5, "
-            "trainer.log_every=50 -> 1, trainer.max_steps=5 -> 8") in out
+    assert (
+        "resume: applying the changed settings optim.lr=0.003 -> 1e-06, optim.weight_decay=0.01 -> 0.5, "
+        "trainer.log_every=50 -> 1, trainer.max_steps=5 -> 8"
+    ) in out
     assert [r["lr"] for r in rows(tmp_path) if r["step"] > 5] == [1e-6] * 3
     assert checkpoint(tmp_path, 8)["optimizer"]["param_groups"][0]["weight_decay"] == 0.5
 
@@ -237,8 +298,10 @@ def test_resume_with_max_steps_below_the_checkpoint_has_nothing_to_train(tmp_pat
     train_in(tmp_path, "trainer.max_steps=5")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert train_in(tmp_path, "trainer.max_steps=3") is None
-    assert (f"nothing to train: {tmp_path / 'checkpoints' / 'step_00000005.pt'} is at step 5, past this run's 3 "
-            "steps (trainer.max_steps / trainer.epochs)") in capsys.readouterr().out
+    assert (
+        f"nothing to train: {tmp_path / 'checkpoints' / 'step_00000005.pt'} is at step 5, past this run's 3 "
+        "steps (trainer.max_steps / trainer.epochs)"
+    ) in capsys.readouterr().out
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
@@ -251,7 +314,7 @@ def test_an_fp32_checkpoint_resumes_with_fp16_and_a_damaged_one_falls_back(short
     out = capsys.readouterr().out
     assert "warning: skipping unreadable checkpoint" in out and "resumed from" in out and "at step 4" in out
     assert "trainer.precision=fp32 -> fp16" in out
-    assert checkpoint(tmp_path, 6)["scaler"]["scale"] == 2.0 ** 16
+    assert checkpoint(tmp_path, 6)["scaler"]["scale"] == 2.0**16
 
 
 def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_newest(short_run, tmp_path, monkeypatch):
@@ -272,9 +335,18 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_newest(short_ru
 
 # Digits whose training samples are augmented at random (noise and a shift), dropout, loader
 # workers: 12 steps per epoch, checkpoints at the epoch boundary (12) and mid-epoch (17).
-AUGMENTED = ["data.splits._target_=helpers.noisy_digits", "data.batch_size=128", "trainer.epochs=3",
-             "model.dropout=0.1", "checkpoint.every=1", "checkpoint.keep=40", "trainer.log_every=4",
-             "trainer.eval_every=12", "sched=constant", "sched.warmup_steps=5"]
+AUGMENTED = [
+    "data.splits._target_=helpers.noisy_digits",
+    "data.batch_size=128",
+    "trainer.epochs=3",
+    "model.dropout=0.1",
+    "checkpoint.every=1",
+    "checkpoint.keep=40",
+    "trainer.log_every=4",
+    "trainer.eval_every=12",
+    "sched=constant",
+    "sched.warmup_steps=5",
+]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

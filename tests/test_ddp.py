@@ -1,5 +1,6 @@
 """DDP on 2 gloo ranks: gradient syncs counted by the comm hook, why no_sync must wrap forward
 too, and exact accumulation on a linear regression whose answer is known in closed form."""
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -39,8 +40,9 @@ def _accounting(rank, world_size):
                 (same_after if k == K - 1 else same_inside).append(_same_on_all_ranks(_grads(model)))
             model.zero_grad()
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        out[strategy] = dict(syncs=comm.syncs, bytes=comm.bytes, param_bytes=params,
-                             same_inside=same_inside, same_after=same_after)
+        out[strategy] = dict(
+            syncs=comm.syncs, bytes=comm.bytes, param_bytes=params, same_inside=same_inside, same_after=same_after
+        )
 
     # A model in several buckets (parallel.bucket_cap_mb): one sync reduces every bucket.
     torch.manual_seed(0)
@@ -50,8 +52,12 @@ def _accounting(rank, world_size):
             with sync_context(model, syncs_now("no_sync", k, 4)):
                 model(torch.randn(5, 64) + rank).sum().backward()
         model.zero_grad()
-    out["buckets"] = dict(syncs=comm.syncs, bytes=comm.bytes, param_bytes=3 * (64 * 64 + 64) * 4,
-                          buckets=model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1)
+    out["buckets"] = dict(
+        syncs=comm.syncs,
+        bytes=comm.bytes,
+        param_bytes=3 * (64 * 64 + 64) * 4,
+        buckets=model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1,
+    )
 
     # The classic pitfall: forward outside no_sync(), only backward inside. It still syncs.
     torch.manual_seed(0)
@@ -112,7 +118,7 @@ def _closed_form(X, y, global_batch, lr, epochs):
         g = torch.Generator().manual_seed(epoch)  # DistributedSampler: seed + epoch
         order = torch.randperm(len(yn), generator=g).numpy()
         for start in range(0, len(yn), global_batch):
-            idx = order[start:start + global_batch]
+            idx = order[start : start + global_batch]
             residual = Xn[idx] @ w + b - yn[idx]
             w, b = w - lr * Xn[idx].T @ residual / len(idx), b - lr * residual.mean()
     return np.concatenate([w, [b]])
@@ -131,7 +137,8 @@ def test_linear_regression_two_ranks_k4_b1_equals_one_process_b8_and_closed_form
 
 
 def test_sync_bn_is_skipped_with_one_process(capsys):
-    model, _ = wrap(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)), "single",
-                    Dist(0, 0, 1, torch.device("cpu")), sync_bn=True)
+    model, _ = wrap(
+        nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)), "single", Dist(0, 0, 1, torch.device("cpu")), sync_bn=True
+    )
     assert type(model[1]) is nn.BatchNorm2d
     assert "parallel.sync_bn=true: one process, so BatchNorm stays as it is" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """FSDP2 (parallel=fsdp) on 2 gloo ranks: exact accumulation with local gradient accumulation,
 reduce-scatter rounds counted where they happen, padded evaluation, sharded (DCP) checkpoints
 that resume bit for bit and on another world size, and a gathered model.pt."""
+
 import contextlib
 import json
 import math
@@ -23,7 +24,7 @@ from trainkit.data import eval_loader
 from trainkit.dist import Dist
 from trainkit.evaluate import evaluate
 from trainkit.metrics import TrainMeter
-from trainkit.models import mlp, resnet18
+from trainkit.models import resnet18
 from trainkit.parallel import EqualBatches, fsdp_units, resolve_mode, wrap
 from trainkit.schedules import warmup_cosine
 
@@ -51,16 +52,27 @@ def max_diff(a: dict, b: dict) -> float:
 def padded_bytes(state: dict, world_size: int) -> int:
     """What one reduce-scatter round of every parameter sends in: the full gradient, dim 0 padded
     to a multiple of the world size."""
-    return sum(math.ceil(t.shape[0] / world_size) * world_size * t[0].numel() * t.element_size()
-               for t in state.values() if t.is_floating_point())
+    return sum(
+        math.ceil(t.shape[0] / world_size) * world_size * t[0].numel() * t.element_size()
+        for t in state.values()
+        if t.is_floating_point()
+    )
 
 
 # --- units, config ---------------------------------------------------------------------------
 
+
 def test_shard_units_by_default_and_by_class_name():
     model = resnet18(3, 10)
-    assert [type(m).__name__ for m in fsdp_units(model)] == ["Conv2d", "BatchNorm2d", "Sequential", "Sequential",
-                                                               "Sequential", "Sequential", "Linear"]
+    assert [type(m).__name__ for m in fsdp_units(model)] == [
+        "Conv2d",
+        "BatchNorm2d",
+        "Sequential",
+        "Sequential",
+        "Sequential",
+        "Sequential",
+        "Linear",
+    ]
     assert [type(m).__name__ for m in fsdp_units(model, ["BasicBlock"])] == ["BasicBlock"] * 8
     assert fsdp_units(model, []) == []  # the root alone
     with pytest.raises(ConfigError, match=r"parallel.shard_units: no submodule of class Block in ResNet \(it has: "):
@@ -80,8 +92,11 @@ def test_fsdp_needs_torchrun_and_refuses_fp16():
 
 def test_a_checkpoint_of_the_other_layout_is_refused():
     state = {"sharded": True, "path": "checkpoints/step_00000004", "ranks": [{}, {}]}
-    with pytest.raises(ConfigError, match=r"step_00000004 was written with parallel=fsdp \(a DCP directory\), "
-                                          r"this run has parallel=single/ddp"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step_00000004 was written with parallel=fsdp \(a DCP directory\), "
+        r"this run has parallel=single/ddp",
+    ):
         restore(state, nn.Linear(2, 2), None, None, None, None, CPU)
 
 
@@ -93,8 +108,15 @@ def test_sharded_checkpoints_keep_last_n_and_skip_leftovers(tmp_path):
     checkpointer = Checkpointer(directory, every=1, keep=2, d=CPU, sharded=True)
     model = nn.Linear(3, 2)
     for step in (1, 2, 3):
-        checkpointer.save(step, {"model": model.state_dict(), "optimizer": {}, "progress": {"step": step},
-                                 "ranks": {"rng": torch.get_rng_state()}})
+        checkpointer.save(
+            step,
+            {
+                "model": model.state_dict(),
+                "optimizer": {},
+                "progress": {"step": step},
+                "ranks": {"rng": torch.get_rng_state()},
+            },
+        )
     assert sorted(p.name for p in directory.iterdir()) == ["step_00000002", "step_00000003"]
     assert sorted(p.name for p in (directory / "step_00000003").iterdir()) == [".metadata", "__0_0.distcp", "state.pt"]
     (directory / "step_00000004.tmp").mkdir()  # killed mid-save
@@ -106,6 +128,7 @@ def test_sharded_checkpoints_keep_last_n_and_skip_leftovers(tmp_path):
 
 
 # --- two ranks in process: the accumulation, the counting, the evaluation ----------------------
+
 
 def _net():
     torch.manual_seed(0)
@@ -129,8 +152,10 @@ def _two_ranks(rank, world_size, directory):
                         model(x).pow(2).sum().backward()
                 if k < K - 1:  # no_sync: nothing reduced yet, the sharded .grad does not exist
                     reduced_inside.append(all(p.grad is not None for p in fsdp.parameters()))
-            diffs += [(p.grad.full_tensor() - q.grad).abs().max().item()
-                      for p, q in zip(fsdp.parameters(), ddp.module.parameters())]
+            diffs += [
+                (p.grad.full_tensor() - q.grad).abs().max().item()
+                for p, q in zip(fsdp.parameters(), ddp.module.parameters(), strict=True)
+            ]
             fsdp.zero_grad(set_to_none=True)
             ddp.zero_grad(set_to_none=True)
         out[strategy] = dict(syncs=comm.syncs, bytes=comm.bytes, reduced_inside=reduced_inside, diff=max(diffs))
@@ -147,11 +172,13 @@ def _two_ranks(rank, world_size, directory):
     if rank == 0:
         plain = _net()
         plain.load_state_dict(full)
-        out["plain_equal"] = all(torch.equal(p, q) for p, q in zip(sharded, plain.parameters()))
+        out["plain_equal"] = all(torch.equal(p, q) for p, q in zip(sharded, plain.parameters(), strict=True))
         with torch.no_grad():
             logits = plain(data.tensors[0])
-        out["reference"] = {"val/loss": F.cross_entropy(logits, data.tensors[1], reduction="sum").item() / 17,
-                            "val/acc": (logits.argmax(1) == data.tensors[1]).sum().item() / 17}
+        out["reference"] = {
+            "val/loss": F.cross_entropy(logits, data.tensors[1], reduction="sum").item() / 17,
+            "val/acc": (logits.argmax(1) == data.tensors[1]).sum().item() / 17,
+        }
     out["full_keys"] = sorted(full)
     out["checkpoint"] = _checkpoint_round_trip(d, directory)
     return out
@@ -180,18 +207,27 @@ def _checkpoint_round_trip(d: Dist, directory: str) -> dict:
         scheduler.step()
     rank0_mean = d.broadcast_from_main(model[1].running_mean.clone())
     checkpointer = Checkpointer(Path(directory), every=1, keep=1, d=d, sharded=True)
-    checkpointer.save(2, snapshot(model, optimizer, scheduler, scaler, meter, {"step": 2, "epoch": 0, "window": 2},
-                                  {"seed": 0}, {}, None, d))
+    checkpointer.save(
+        2,
+        snapshot(
+            model, optimizer, scheduler, scaler, meter, {"step": 2, "epoch": 0, "window": 2}, {"seed": 0}, {}, None, d
+        ),
+    )
     fresh, fresh_optimizer, fresh_scheduler, *rest = _training_objects(d)
     restore(checkpointer.load("auto"), fresh, fresh_optimizer, fresh_scheduler, *rest, d)
     local = [p.to_local() for p in model.parameters()]
     moments = [s["exp_avg_sq"].to_local() for s in optimizer.state.values()]
-    return {"params": all(torch.equal(a, b.to_local()) for a, b in zip(local, fresh.parameters())),
-            "optimizer": all(torch.equal(a, s["exp_avg_sq"].to_local())
-                             for a, s in zip(moments, fresh_optimizer.state.values())),
-            "lr": fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != 0.1,
-            "buffers": torch.equal(fresh[1].running_mean, rank0_mean)
-            and not torch.equal(model[1].running_mean, rank0_mean) if d.rank else True}
+    return {
+        "params": all(torch.equal(a, b.to_local()) for a, b in zip(local, fresh.parameters(), strict=True)),
+        "optimizer": all(
+            torch.equal(a, s["exp_avg_sq"].to_local())
+            for a, s in zip(moments, fresh_optimizer.state.values(), strict=True)
+        ),
+        "lr": fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != 0.1,
+        "buffers": torch.equal(fresh[1].running_mean, rank0_mean) and not torch.equal(model[1].running_mean, rank0_mean)
+        if d.rank
+        else True,
+    }
 
 
 def test_fsdp_accumulates_locally_reduces_once_evaluates_like_one_process_and_checkpoints(tmp_path):
@@ -221,9 +257,17 @@ def test_fsdp_accumulates_locally_reduces_once_evaluates_like_one_process_and_ch
 # One epoch of digits with a validation split of 353 (train 1444): 45 global batches of 32 and a
 # short last one of 4, AdamW, cosine warmup, clipping. The evaluation shards of 177 and 176
 # samples make 23 and 22 batches of 8: without the padding the FSDP evaluation would hang.
-EPOCH = ["trainer.epochs=1", "data.splits.val_fraction=0.1965", "optim=adamw", "sched=cosine",
-         "sched.warmup_steps=5", "trainer.clip_grad_norm=0.5", "trainer.log_every=5", "trainer.eval_every=20",
-         "parallel.timeout_s=60"]
+EPOCH = [
+    "trainer.epochs=1",
+    "data.splits.val_fraction=0.1965",
+    "optim=adamw",
+    "sched=cosine",
+    "sched.warmup_steps=5",
+    "trainer.clip_grad_norm=0.5",
+    "trainer.log_every=5",
+    "trainer.eval_every=20",
+    "parallel.timeout_s=60",
+]
 FSDP_K2_B8 = ["parallel=fsdp", "data.batch_size=8", "accumulation.steps=2"]
 
 
@@ -265,10 +309,12 @@ def _equivalence(single: Path, run_dir: Path, syncs: float) -> float:
     return diff
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_k2_b8_no_sync_equal_one_process_b32(single_b32, fsdp_no_sync):
     _equivalence(single_b32, fsdp_no_sync, 1.0)
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_k2_b8_sync_each_batch_equal_one_process_b32(single_b32, tmp_path):
     run_train(tmp_path, *EPOCH, *FSDP_K2_B8, "accumulation=sync_each_batch", nproc=2)
     _equivalence(single_b32, tmp_path, 2.0)
@@ -281,10 +327,10 @@ def _dcp(path: Path) -> dict:
     return torch.load(path.parent / f"{path.name}.consolidated", weights_only=False)
 
 
+@pytest.mark.slow
 def test_fsdp_resume_from_a_dcp_checkpoint_is_bitwise(fsdp_no_sync, tmp_path):
     step_20 = fsdp_no_sync / "checkpoints" / "step_00000020"
-    proc = run_train(tmp_path, *EPOCH, *FSDP_K2_B8, f"checkpoint.resume={step_20}", "checkpoint.every=20",
-                     nproc=2)
+    proc = run_train(tmp_path, *EPOCH, *FSDP_K2_B8, f"checkpoint.resume={step_20}", "checkpoint.every=20", nproc=2)
     assert f"resumed from {step_20} at step 20" in proc.stdout
     straight, resumed = weights(fsdp_no_sync), weights(tmp_path)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
@@ -297,11 +343,19 @@ def test_fsdp_resume_from_a_dcp_checkpoint_is_bitwise(fsdp_no_sync, tmp_path):
     assert without_rate[4:] == [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows(tmp_path)]
 
 
+@pytest.mark.slow
 def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_path):
     step_20 = fsdp_no_sync / "checkpoints" / "step_00000020"
     # The same global batch of 32: 1 rank x 8 x K=4. DCP reshards the model and optimizer state.
-    proc = run_train(tmp_path, *EPOCH, "parallel=fsdp", "data.batch_size=8", "accumulation.steps=4",
-                     f"checkpoint.resume={step_20}", torchrun=("--nnodes=1",))
+    proc = run_train(
+        tmp_path,
+        *EPOCH,
+        "parallel=fsdp",
+        "data.batch_size=8",
+        "accumulation.steps=4",
+        f"checkpoint.resume={step_20}",
+        torchrun=("--nnodes=1",),
+    )
     assert "written by 2 ranks, now 1; per-rank RNG streams re-seeded" in proc.stdout
     diff = max_diff(weights(tmp_path), weights(fsdp_no_sync))
     print(f"max |resumed on 1 rank - 2 ranks| = {diff:.2e}")
@@ -311,10 +365,17 @@ def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_pa
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
-SYNC_BN = ["model=cnn", "model.width=8", "trainer.max_steps=12", "trainer.log_every=4", "optim=adamw",
-           "trainer.clip_grad_norm=1.0"]
+SYNC_BN = [
+    "model=cnn",
+    "model.width=8",
+    "trainer.max_steps=12",
+    "trainer.log_every=4",
+    "optim=adamw",
+    "trainer.clip_grad_norm=1.0",
+]
 
 
+@pytest.mark.slow
 def test_fsdp_with_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(tmp_path):
     run_train(tmp_path / "single", *SYNC_BN, "data.batch_size=32")
     run_train(tmp_path / "fsdp", *SYNC_BN, "data.batch_size=16", "parallel=fsdp", "parallel.sync_bn=true", nproc=2)
@@ -323,10 +384,22 @@ def test_fsdp_with_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(tmp_pat
     assert max_diff(got, expected) < 1e-5  # weights and running statistics of the global batch
 
 
+@pytest.mark.slow
 def test_fsdp_resnet18_by_basic_block_with_sync_bn_and_accumulation(tmp_path):
-    run_train(tmp_path, "model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=12",
-              "data.batch_size=4", "accumulation.steps=2", "trainer.max_steps=2", "parallel=fsdp",
-              "parallel.shard_units=[BasicBlock]", "parallel.sync_bn=true", nproc=2)
+    run_train(
+        tmp_path,
+        "model=resnet18",
+        "data=fake",
+        "data.splits.train_size=64",
+        "data.splits.val_size=12",
+        "data.batch_size=4",
+        "accumulation.steps=2",
+        "trainer.max_steps=2",
+        "parallel=fsdp",
+        "parallel.shard_units=[BasicBlock]",
+        "parallel.sync_bn=true",
+        nproc=2,
+    )
     got = weights(tmp_path)
     assert got["layer1.0.bn1.num_batches_tracked"].item() == 4  # 2 steps x K=2 micro-batches
     resnet18(3, 10).load_state_dict(got)

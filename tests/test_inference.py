@@ -1,5 +1,6 @@
 """Distributed inference sees every sample exactly once, in dataset order, on any number of ranks:
 contiguous shards, the unequal-length gather, and src/predict.py on 1, 2 and 3 ranks."""
+
 import json
 import shutil
 from pathlib import Path
@@ -56,9 +57,12 @@ def _gather_and_predict(rank, world_size):
     start, end = shard_bounds(2, world_size, rank)
     ragged = torch.ones(end - start, 6) if end > start else torch.empty(0, 0)
     model, data = _toy()
-    return {"gathered": gathered, "ragged": gather(ragged, d),
-            "predict": predict(model, eval_loader(data, d, 4, 0), d),
-            "predict_tiny": predict(model, eval_loader(TensorDataset(*data[:2]), d, 4, 0), d)}
+    return {
+        "gathered": gathered,
+        "ragged": gather(ragged, d),
+        "predict": predict(model, eval_loader(data, d, 4, 0), d),
+        "predict_tiny": predict(model, eval_loader(TensorDataset(*data[:2]), d, 4, 0), d),
+    }
 
 
 def test_gather_and_predict_on_3_ranks_equal_one_process_in_dataset_order():
@@ -68,7 +72,7 @@ def test_gather_and_predict_on_3_ranks_equal_one_process_in_dataset_order():
     expected = predict(model, eval_loader(data, single, 4, 0), single)
     expected_tiny = predict(model, eval_loader(TensorDataset(*data[:2]), single, 4, 0), single)
     for result in ranks:  # every rank gets the whole result
-        for case, got in zip(GATHER_CASES, result["gathered"]):
+        for case, got in zip(GATHER_CASES, result["gathered"], strict=True):
             want = _dataset_of(*case)
             assert got.dtype == want.dtype and torch.equal(got, want), case
         assert torch.equal(result["ragged"], torch.ones(2, 6))
@@ -79,6 +83,7 @@ def test_gather_and_predict_on_3_ranks_equal_one_process_in_dataset_order():
 
 
 # --- src/predict.py end to end, from a 2-rank DDP training run of the BatchNorm cnn -------------
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
@@ -93,15 +98,16 @@ def predicted(trained, tmp_path_factory) -> dict:
     out = {}
     for world_size in (1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"predict{world_size}")
-        proc = run_train(run_dir, f"run_dir={trained}", "predict.probs=true", nproc=world_size,
-                         script="src/predict.py")
+        proc = run_train(run_dir, f"run_dir={trained}", "predict.probs=true", nproc=world_size, script="src/predict.py")
         out[world_size] = run_dir, proc.stdout
     return out
 
 
+@pytest.mark.slow
 def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicted):
-    files = {w: ((d / "predictions.csv").read_bytes(), (d / "metrics.json").read_text())
-             for w, (d, _) in predicted.items()}
+    files = {
+        w: ((d / "predictions.csv").read_bytes(), (d / "metrics.json").read_text()) for w, (d, _) in predicted.items()
+    }
     assert files[1] == files[2] == files[3]
 
     lines = files[1][0].decode().splitlines()
@@ -121,6 +127,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
         assert stdout.count("predict | run dir") == 1 and stdout.count("done: accuracy") == 1
 
 
+@pytest.mark.slow
 def test_val_metrics_of_a_2_rank_training_run_equal_predict(trained, predicted):
     val = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()][-1]
     metrics = json.loads((predicted[1][0] / "metrics.json").read_text())
@@ -129,6 +136,7 @@ def test_val_metrics_of_a_2_rank_training_run_equal_predict(trained, predicted):
 
 
 # --- errors: one line, exit status 2, no traceback --------------------------------------------
+
 
 def _broken_run(trained: Path, tmp: Path, kind: str) -> Path:
     run_dir = tmp / kind
@@ -141,17 +149,23 @@ def _broken_run(trained: Path, tmp: Path, kind: str) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("case,message", [
-    ("missing", "does not exist"),
-    ("no_model", "has no model.pt: not a finished training run"),
-    ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
-    ("split", "split=test is not one of: train, val"),
-])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "does not exist"),
+        ("no_model", "has no model.pt: not a finished training run"),
+        ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
+        ("split", "split=test is not one of: train, val"),
+    ],
+)
 def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
-    overrides = {"missing": [f"run_dir={tmp_path / 'nope'}"],
-                 "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
-                 "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
-                 "split": [f"run_dir={trained}", "split=test"]}[case]
+    overrides = {
+        "missing": [f"run_dir={tmp_path / 'nope'}"],
+        "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
+        "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
+        "split": [f"run_dir={trained}", "split=test"],
+    }[case]
     proc = run_train(tmp_path / "out", *overrides, script="src/predict.py", check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

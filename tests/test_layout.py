@@ -1,5 +1,6 @@
 """The epoch layout: optimizer step s trains on global positions [s*G, (s+1)*G) for every
 (W, K, b) with the same G, padding repeats are never loaded, and the step count per epoch is right."""
+
 import math
 
 import pytest
@@ -64,16 +65,24 @@ def test_short_last_window_counts_only_its_real_samples():
     assert layout.windows(drop_last=False) == 3
     assert [layout.micro_steps(w) for w in range(3)] == [2, 2, 1]
     assert [layout.window_samples(w) for w in range(3)] == [16, 16, 5]
-    sizes = [[len(b) for (b,) in TrainLoader(TensorDataset(torch.arange(37)), Dist(r, r, 2, torch.device("cpu")),
-                                             4, 0, 0, layout.micro_batches).epoch(0)] for r in range(2)]
+    sizes = [
+        [
+            len(b)
+            for (b,) in TrainLoader(
+                TensorDataset(torch.arange(37)), Dist(r, r, 2, torch.device("cpu")), 4, 0, 0, layout.micro_batches
+            ).epoch(0)
+        ]
+        for r in range(2)
+    ]
     assert sizes == [[4, 4, 4, 4, 3], [4, 4, 4, 4, 2]]  # rank 1's padding repeat is not loaded
 
 
 def test_a_rank_whose_last_micro_batch_is_padding_runs_an_empty_one():
     # 5 samples on 2 ranks, batch 1: rank 1's third position is padding.
     layout = EpochLayout(num_samples=5, world_size=2, batch_size=1, steps=2)
-    loader = TrainLoader(TensorDataset(torch.arange(5.0).view(5, 1)), Dist(1, 1, 2, torch.device("cpu")),
-                         1, 0, 0, layout.micro_batches)
+    loader = TrainLoader(
+        TensorDataset(torch.arange(5.0).view(5, 1)), Dist(1, 1, 2, torch.device("cpu")), 1, 0, 0, layout.micro_batches
+    )
     shapes = [tuple(x.shape) for (x,) in loader.epoch(0)]
     assert shapes == [(1, 1), (1, 1), (0, 1)]
     assert [tuple(x.shape) for (x,) in loader.epoch(1, start=2)] == [(0, 1)]  # also when resumed there

@@ -1,4 +1,5 @@
 """train() in-process: what is called once per optimizer step, the step count, the overrides."""
+
 import json
 import math
 import time
@@ -34,11 +35,20 @@ def test_optimizer_scheduler_and_clipping_run_once_per_optimizer_step(tmp_path, 
     # 1438 samples / micro-batch 100 = 15 micro-batches per epoch: ceil(15/K) steps, or with
     # drop_last the whole global batches only: 1438 // (100 K).
     epochs = 2
-    with spy(torch.optim.AdamW, "step") as opt_step, \
-            spy(torch.optim.lr_scheduler.LambdaLR, "step") as sched_step, \
-            mock.patch("torch.nn.utils.clip_grad_norm_", wraps=torch.nn.utils.clip_grad_norm_) as clip:
-        _, rows = run(tmp_path, "data.batch_size=100", f"accumulation.steps={steps}", f"trainer.epochs={epochs}",
-                      f"data.drop_last={drop_last}", "trainer.log_every=1", "sched.warmup_steps=2")
+    with (
+        spy(torch.optim.AdamW, "step") as opt_step,
+        spy(torch.optim.lr_scheduler.LambdaLR, "step") as sched_step,
+        mock.patch("torch.nn.utils.clip_grad_norm_", wraps=torch.nn.utils.clip_grad_norm_) as clip,
+    ):
+        _, rows = run(
+            tmp_path,
+            "data.batch_size=100",
+            f"accumulation.steps={steps}",
+            f"trainer.epochs={epochs}",
+            f"data.drop_last={drop_last}",
+            "trainer.log_every=1",
+            "sched.warmup_steps=2",
+        )
     total = epochs * expected_per_epoch
     assert expected_per_epoch == (1438 // (100 * steps) if drop_last else math.ceil(15 / steps))
     assert opt_step.call_count == clip.call_count == total
@@ -57,13 +67,16 @@ def test_max_steps_ends_the_run_mid_epoch(tmp_path):
     assert "val/acc" in rows[-1] and "val/acc" not in rows[0]
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model=cnn", "model.width=8"],
-    ["model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=32", "data.batch_size=16"],
-    ["model=mlp", "model.width=16", "model.depth=1", "optim=sgd", "sched=constant", "trainer.clip_grad_norm=null"],
-    ["accumulation.global_batch_size=64", "data.batch_size=16", "accumulation=sync_each_batch"],
-    ["trainer.precision=bf16"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=cnn", "model.width=8"],
+        ["model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=32", "data.batch_size=16"],
+        ["model=mlp", "model.width=16", "model.depth=1", "optim=sgd", "sched=constant", "trainer.clip_grad_norm=null"],
+        ["accumulation.global_batch_size=64", "data.batch_size=16", "accumulation=sync_each_batch"],
+        ["trainer.precision=bf16"],
+    ],
+)
 def test_overrides_train(tmp_path, overrides):
     acc, rows = run(tmp_path, "trainer.max_steps=4", "trainer.log_every=2", *overrides)
     assert 0 <= acc <= 1 and rows[-1]["step"] == 4
@@ -93,8 +106,14 @@ def test_mnist_loads_from_data_root(tmp_path):
     for prefix, n in (("train", 64), ("t10k", 16)):
         write_idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)))
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
-    acc, rows = run(tmp_path / "run", "data=mnist", f"data.root={tmp_path / 'data'}", "data.num_workers=0",
-                    "trainer.epochs=2", "data.batch_size=16")
+    acc, rows = run(
+        tmp_path / "run",
+        "data=mnist",
+        f"data.root={tmp_path / 'data'}",
+        "data.num_workers=0",
+        "trainer.epochs=2",
+        "data.batch_size=16",
+    )
     assert rows[-1]["step"] == 8 and rows[-1]["samples"] == 128 and 0 <= acc <= 1
 
 
@@ -106,8 +125,9 @@ def test_experiment_overlay(tmp_path):
 
 
 def test_without_a_validation_split_training_runs_and_skips_evaluation(tmp_path):
-    acc, rows = run(tmp_path, "data.splits.val_fraction=0", "trainer.max_steps=5", "trainer.eval_every=2",
-                    "checkpoint.every=100")
+    acc, rows = run(
+        tmp_path, "data.splits.val_fraction=0", "trainer.max_steps=5", "trainer.eval_every=2", "checkpoint.every=100"
+    )
     assert acc is None and [r["step"] for r in rows] == [5] and "val/acc" not in rows[0]
     assert (tmp_path / "model.pt").exists() and (tmp_path / "checkpoints" / "step_00000005.pt").exists()
 
@@ -123,13 +143,22 @@ def test_how_often_we_evaluate_never_changes_the_trained_weights(tmp_path):
 def test_each_epoch_trains_another_order(tmp_path):
     # lr 0: the weights never move, so a step's loss tells which samples its batch held. Epoch 1
     # must draw another order (sampler.set_epoch) over the same samples.
-    _, rows = run(tmp_path, "optim=sgd", "optim.lr=0", "optim.momentum=0", "sched=constant", "data.batch_size=128",
-                  "trainer.epochs=2", "trainer.log_every=1", "trainer.eval_every=1000")
+    _, rows = run(
+        tmp_path,
+        "optim=sgd",
+        "optim.lr=0",
+        "optim.momentum=0",
+        "sched=constant",
+        "data.batch_size=128",
+        "trainer.epochs=2",
+        "trainer.log_every=1",
+        "trainer.eval_every=1000",
+    )
     losses = [[r["loss"] for r in rows if "loss" in r and math.ceil(r["epoch"]) == e] for e in (1, 2)]
     assert len(losses[0]) == len(losses[1]) == 12 and losses[0] != losses[1]
     # The same samples: the epoch's summed loss (the last window is short: weigh by batch size).
     sizes = [128] * 11 + [1438 - 11 * 128]
-    totals = [sum(loss * n for loss, n in zip(epoch, sizes)) for epoch in losses]
+    totals = [sum(loss * n for loss, n in zip(epoch, sizes, strict=True)) for epoch in losses]
     assert totals[0] == pytest.approx(totals[1], rel=1e-6)
 
 

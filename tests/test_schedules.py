@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -14,12 +15,12 @@ def test_warmup_cosine_shape():
     f = lambda s: warmup_cosine(s, total_steps=110, warmup_steps=10, min_ratio=0.1)  # noqa: E731
     assert f(0) == pytest.approx(1 / 11)
     assert f(9) == pytest.approx(10 / 11)
-    assert f(10) == pytest.approx(1.0)          # peak right after warmup
-    assert f(60) == pytest.approx(0.55)         # half way: (1 + 0.1) / 2
-    assert f(110) == pytest.approx(0.1)         # the end: min_ratio
-    assert f(500) == pytest.approx(0.1)         # past the end it stays there
+    assert f(10) == pytest.approx(1.0)  # peak right after warmup
+    assert f(60) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert f(110) == pytest.approx(0.1)  # the end: min_ratio
+    assert f(500) == pytest.approx(0.1)  # past the end it stays there
     values = [f(s) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
+    assert all(a >= b for a, b in itertools.pairwise(values))  # monotone decay
 
 
 def test_warmup_cosine_without_warmup_matches_closed_form():

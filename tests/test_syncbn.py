@@ -1,6 +1,7 @@
 """SyncBatchNorm on 2 gloo ranks equals nn.BatchNorm on the concatenated batch: outputs, input
 and parameter gradients, running statistics. Plus gradcheck, eval without communication,
 world size 1, and convert_sync_batchnorm."""
+
 import copy
 from datetime import timedelta
 
@@ -55,7 +56,7 @@ def _run_case(bn: nn.Module, name: str, rank: int | None) -> dict:
     """STEPS training steps with backward (grads accumulate), then one eval forward.
     rank=None: the whole global batch (reference); else this rank's slice."""
     sizes = CASES[name][2]
-    lo, hi = (0, sum(sizes)) if rank is None else (sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    lo, hi = (0, sum(sizes)) if rank is None else (sum(sizes[:rank]), sum(sizes[: rank + 1]))
     outs, grads = [], []
     bn.train()
     for step in range(STEPS):
@@ -68,10 +69,14 @@ def _run_case(bn: nn.Module, name: str, rank: int | None) -> dict:
     bn.eval()
     with torch.no_grad():
         eval_out = bn(_case_data(name, STEPS)[0][lo:hi])
-    return {"out": outs, "grad_x": grads, "eval_out": eval_out,
-            "grad_w": None if bn.weight is None else bn.weight.grad,
-            "grad_b": None if bn.bias is None else bn.bias.grad,
-            "state": {k: v.clone() for k, v in bn.state_dict().items()}}
+    return {
+        "out": outs,
+        "grad_x": grads,
+        "eval_out": eval_out,
+        "grad_w": None if bn.weight is None else bn.weight.grad,
+        "grad_b": None if bn.bias is None else bn.bias.grad,
+        "state": {k: v.clone() for k, v in bn.state_dict().items()},
+    }
 
 
 def _reference(name: str) -> dict:
@@ -97,14 +102,17 @@ def _equivalence_worker(rank: int, world_size: int) -> dict:
 
 def _small_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 3 * 3, 2)).double()
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 2)
+    ).double()
 
 
 def _ddp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
-    return [(torch.randn(8, 3, 5, 5, generator=g, dtype=torch.float64), torch.randint(0, 2, (8,), generator=g))
-            for _ in range(2)]
+    return [
+        (torch.randn(8, 3, 5, 5, generator=g, dtype=torch.float64), torch.randint(0, 2, (8,), generator=g))
+        for _ in range(2)
+    ]
 
 
 def _ddp_accumulation(rank: int | None, world_size: int, group: dist.ProcessGroup | None) -> dict:
@@ -123,8 +131,10 @@ def _ddp_accumulation(rank: int | None, world_size: int, group: dist.ProcessGrou
         else:
             loss.backward()
     module = model.module if rank is not None else model
-    return {"grads": {k: p.grad.clone() for k, p in module.named_parameters()},
-            "state": {k: v.clone() for k, v in module.state_dict().items()}}
+    return {
+        "grads": {k: p.grad.clone() for k, p in module.named_parameters()},
+        "state": {k: v.clone() for k, v in module.state_dict().items()},
+    }
 
 
 def _large_mean_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +161,15 @@ def test_matches_batchnorm_on_the_concatenated_batch(two_rank_results, name):
     ref, r0, r1 = _reference(name), two_rank_results[0][name], two_rank_results[1][name]
     tol = dict(rtol=1e-10, atol=1e-10)  # float64, observed <= 1.5e-14: a formula slip is far above
     for step in range(STEPS):
-        torch.testing.assert_close(torch.cat([r0["out"][step], r1["out"][step]]), ref["out"][step],
-                                   **tol, msg=f"output, step {step}")
-        torch.testing.assert_close(torch.cat([r0["grad_x"][step], r1["grad_x"][step]]), ref["grad_x"][step],
-                                   **tol, msg=f"input grad, step {step}")
+        torch.testing.assert_close(
+            torch.cat([r0["out"][step], r1["out"][step]]), ref["out"][step], **tol, msg=f"output, step {step}"
+        )
+        torch.testing.assert_close(
+            torch.cat([r0["grad_x"][step], r1["grad_x"][step]]),
+            ref["grad_x"][step],
+            **tol,
+            msg=f"input grad, step {step}",
+        )
     torch.testing.assert_close(torch.cat([r0["eval_out"], r1["eval_out"]]), ref["eval_out"], **tol)
     for key in ("grad_w", "grad_b"):  # local gradients; DDP sums (and averages) them over ranks
         if ref[key] is None:
@@ -170,8 +185,10 @@ def test_matches_batchnorm_on_the_concatenated_batch(two_rank_results, name):
 def test_large_mean_float32_is_stable(two_rank_results):
     x, w = _large_mean_batch()
     exact = _large_mean_step(nn.BatchNorm2d(3, dtype=torch.float64), x.double(), w.double())
-    ours = {k: torch.cat([two_rank_results[0]["large_mean"][k], two_rank_results[1]["large_mean"][k]])
-            for k in ("out", "grad_x")}
+    ours = {
+        k: torch.cat([two_rank_results[0]["large_mean"][k], two_rank_results[1]["large_mean"][k]])
+        for k in ("out", "grad_x")
+    }
     # Observed: 3e-7 (out, grad_x) and 5e-8 relative (running_var); torch's own float32
     # BatchNorm2d on the concatenated batch is off by 9e-4 in the output.
     torch.testing.assert_close(ours["out"].double(), exact["out"], rtol=0, atol=1e-5)
@@ -194,8 +211,13 @@ def test_ddp_accumulation_matches_single_process(two_rank_results):
         for kind in ("grads", "state"):
             assert ref[kind].keys() == two_rank_results[rank]["ddp"][kind].keys()
             for key, value in ref[kind].items():
-                torch.testing.assert_close(two_rank_results[rank]["ddp"][kind][key], value,
-                                           rtol=1e-10, atol=1e-12, msg=f"rank {rank} {kind} {key}")
+                torch.testing.assert_close(
+                    two_rank_results[rank]["ddp"][kind][key],
+                    value,
+                    rtol=1e-10,
+                    atol=1e-12,
+                    msg=f"rank {rank} {kind} {key}",
+                )
 
 
 def _gradcheck_eval_worker(rank: int, world_size: int) -> dict:
@@ -233,8 +255,10 @@ def _gradcheck_eval_worker(rank: int, world_size: int) -> dict:
     eval_equal = True
     if rank == 0:
         for _ in range(3):
-            eval_equal &= torch.equal(bn(x.detach()), F.batch_norm(
-                x.detach(), bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps))
+            eval_equal &= torch.equal(
+                bn(x.detach()),
+                F.batch_norm(x.detach(), bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps),
+            )
     dist.barrier()
     return {**ok, "eval_equal": eval_equal}
 
@@ -291,8 +315,11 @@ class Block(nn.Module):
 
 
 def test_convert_sync_batchnorm_keeps_parameters_buffers_and_settings():
-    model = nn.Sequential(Block(), nn.BatchNorm1d(5, momentum=None, track_running_stats=False),
-                          nn.Sequential(nn.BatchNorm1d(6, bias=False).eval()))
+    model = nn.Sequential(
+        Block(),
+        nn.BatchNorm1d(5, momentum=None, track_running_stats=False),
+        nn.Sequential(nn.BatchNorm1d(6, bias=False).eval()),
+    )
     with torch.no_grad():  # non-default state, so that "copied" is checked against something
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):

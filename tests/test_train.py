@@ -1,4 +1,5 @@
 """src/train.py end to end, as a user runs it (python and torchrun), on the bundled digits."""
+
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ def compose_cfg(*overrides):
         return compose("train", overrides=list(overrides))
 
 
+@pytest.mark.slow
 def test_default_job_reaches_95_percent_and_writes_the_contract_files(tmp_path):
     proc = run_train(tmp_path)
     assert "global batch 32 = 1 ranks x 32 micro-batch x 1 accumulation" in proc.stdout
@@ -46,8 +48,15 @@ def assert_same_weights(a: dict, b: dict, atol: float):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
-EPOCH = ["trainer.epochs=1", "data.drop_last=false", "optim=adamw", "sched=cosine", "sched.warmup_steps=5",
-         "trainer.clip_grad_norm=0.5", "trainer.log_every=5"]
+EPOCH = [
+    "trainer.epochs=1",
+    "data.drop_last=false",
+    "optim=adamw",
+    "sched=cosine",
+    "sched.warmup_steps=5",
+    "trainer.clip_grad_norm=0.5",
+    "trainer.log_every=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +66,23 @@ def single_b32(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,syncs", [("no_sync", 1.0), ("sync_each_batch", 2.0)])
 def test_two_ranks_k2_b8_equal_one_process_b32(single_b32, tmp_path, strategy, syncs):
-    run_train(tmp_path, *EPOCH, "data.batch_size=8", "accumulation.steps=2", f"accumulation={strategy}",
-              "parallel=ddp", nproc=2)
+    run_train(
+        tmp_path,
+        *EPOCH,
+        "data.batch_size=8",
+        "accumulation.steps=2",
+        f"accumulation={strategy}",
+        "parallel=ddp",
+        nproc=2,
+    )
     # One epoch of 1438 samples: 44 full global batches of 32 and a short last one of 30.
     assert rows(tmp_path)[-1]["step"] == rows(single_b32)[-1]["step"] == 45
     assert_same_weights(weights(tmp_path), weights(single_b32), atol=1e-5)
     single_rows, ddp_rows = rows(single_b32), rows(tmp_path)
-    for a, b in zip(single_rows, ddp_rows):
+    for a, b in zip(single_rows, ddp_rows, strict=True):
         assert a["samples"] == b["samples"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # mean over all samples of all ranks
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # pre-clip: the scale shows
@@ -81,9 +98,18 @@ def test_two_ranks_k2_b8_equal_one_process_b32(single_b32, tmp_path, strategy, s
 # The cnn (K = 1: BatchNorm normalises each micro-batch) runs SyncBN: the padding repeats must
 # stay out of its statistics too. It stops 6 steps into epoch 2: later, max-pool ties over the
 # digits' constant background flip on float noise (1e-7) and route a gradient elsewhere.
-EXACT = ["data.splits.val_fraction=0.2015", "trainer.epochs=2", "optim=sgd", "optim.lr=0.05", "sched=constant",
-         "trainer.clip_grad_norm=null", "trainer.log_every=1", "trainer.eval_every=1000", "checkpoint.every=0",
-         "model.width=8"]
+EXACT = [
+    "data.splits.val_fraction=0.2015",
+    "trainer.epochs=2",
+    "optim=sgd",
+    "optim.lr=0.05",
+    "sched=constant",
+    "trainer.clip_grad_norm=null",
+    "trainer.log_every=1",
+    "trainer.eval_every=1000",
+    "checkpoint.every=0",
+    "model.width=8",
+]
 STEPS = {"mlp": 60, "cnn": 36}
 
 
@@ -96,22 +122,38 @@ def single_exact(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("model,nproc,steps,batch", [("mlp", 2, 3, 8), ("mlp", 3, 2, 8), ("cnn", 2, 1, 24),
-                                                     ("cnn", 3, 1, 16)])
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,nproc,steps,batch", [("mlp", 2, 3, 8), ("mlp", 3, 2, 8), ("cnn", 2, 1, 24), ("cnn", 3, 1, 16)]
+)
 def test_odd_n_two_epochs_w_ranks_equal_one_process_step_by_step(single_exact, tmp_path, model, nproc, steps, batch):
-    run_train(tmp_path, *EXACT, f"model={model}", f"trainer.max_steps={STEPS[model]}", f"data.batch_size={batch}",
-              f"accumulation.steps={steps}", "parallel.sync_bn=true", nproc=nproc)
+    run_train(
+        tmp_path,
+        *EXACT,
+        f"model={model}",
+        f"trainer.max_steps={STEPS[model]}",
+        f"data.batch_size={batch}",
+        f"accumulation.steps={steps}",
+        "parallel.sync_bn=true",
+        nproc=nproc,
+    )
     single_rows, ddp_rows = rows(single_exact[model]), rows(tmp_path)
     assert len(ddp_rows) == len(single_rows) == STEPS[model] and single_rows[29]["samples"] == 1435  # 30 steps/epoch
-    for a, b in zip(single_rows, ddp_rows):
+    for a, b in zip(single_rows, ddp_rows, strict=True):
         assert (a["step"], a["samples"]) == (b["step"], b["samples"])
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
     assert_same_weights(weights(tmp_path), weights(single_exact[model]), atol=1e-5)  # running statistics too
 
 
-SYNC_BN = ["model=cnn", "model.width=8", "trainer.max_steps=12", "trainer.log_every=4", "optim=adamw",
-           "trainer.clip_grad_norm=1.0"]
+SYNC_BN = [
+    "model=cnn",
+    "model.width=8",
+    "trainer.max_steps=12",
+    "trainer.log_every=4",
+    "optim=adamw",
+    "trainer.clip_grad_norm=1.0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +163,7 @@ def single_cnn_b32(tmp_path_factory):
     return weights(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync_bn", [True, False])
 def test_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(single_cnn_b32, tmp_path, sync_bn):
     proc = run_train(tmp_path, *SYNC_BN, "data.batch_size=16", f"parallel.sync_bn={sync_bn}", nproc=2)
@@ -134,18 +177,29 @@ def test_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(single_cnn_b32, t
         assert max((got[k] - single_cnn_b32[k]).abs().max().item() for k in buffers) > 1e-3
 
 
+@pytest.mark.slow
 def test_sync_bn_resnet18_under_ddp(tmp_path):
-    run_train(tmp_path, "model=resnet18", "data=fake", "data.splits.train_size=64", "data.splits.val_size=16",
-              "data.batch_size=8", "trainer.max_steps=2", "parallel.sync_bn=true", nproc=2)
+    run_train(
+        tmp_path,
+        "model=resnet18",
+        "data=fake",
+        "data.splits.train_size=64",
+        "data.splits.val_size=16",
+        "data.batch_size=8",
+        "trainer.max_steps=2",
+        "parallel.sync_bn=true",
+        nproc=2,
+    )
     assert weights(tmp_path)["bn1.num_batches_tracked"].item() == 2
 
 
+@pytest.mark.slow
 def test_a_sweep_under_torchrun_runs_every_job_on_every_rank_into_one_dir_each(tmp_path):
     # Each job builds its own process group in the same workers: under a store prefix of its own.
     run_train(tmp_path / "unused", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.max_steps=2,3", nproc=2)
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert jobs == ["0", "1"]
-    for job, steps in zip(jobs, (2, 3)):
+    for job, steps in zip(jobs, (2, 3), strict=True):
         assert rows(tmp_path / "sweep" / job)[-1]["step"] == steps
         assert (tmp_path / "sweep" / job / "model.pt").is_file()
         assert f"max_steps: {steps}" in (tmp_path / "sweep" / job / ".hydra" / "config.yaml").read_text()

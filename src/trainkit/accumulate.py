@@ -1,5 +1,6 @@
 """Gradient accumulation: which samples form an optimizer step, which micro-step syncs, and the
 loss normalisation that makes training world-size invariant."""
+
 import contextlib
 import math
 from dataclasses import dataclass

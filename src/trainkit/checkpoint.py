@@ -13,6 +13,7 @@ value, RNG states included.
 DCP is not used for single/DDP: it unpickles its `.metadata` (and non-tensor items) without
 weights_only, and DDP's replicated state fits one file. Resume FSDP checkpoints you trust only.
 """
+
 import os
 import pickle
 import re
@@ -23,8 +24,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -54,8 +59,11 @@ class Checkpointer:
         """Complete checkpoints (files and DCP directories), oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir()
-                 if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())]
+        found = [
+            (int(m.group(1)), p)
+            for p in self.directory.iterdir()
+            if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
+        ]
         return [p for _, p in sorted(found)]
 
     def save(self, step: int, state: dict) -> Path:
@@ -73,7 +81,7 @@ class Checkpointer:
             os.replace(tmp, path)  # atomic: the checkpoint exists complete, or not at all
         if self.d.is_main:
             _fsync_dir(self.directory)
-            for old in self.complete()[:-self.keep]:
+            for old in self.complete()[: -self.keep]:
                 _remove(old)
         self.d.barrier()  # nobody runs ahead (e.g. to exit) before the checkpoint is complete
         return path
@@ -86,8 +94,11 @@ class Checkpointer:
         # DTensor: BatchNorm buffers) once, here from rank 0, whose buffers model.pt keeps too.
         # dcp.save returns on rank 0 after every rank's write finished (DCP gathers their
         # results before rank 0 writes .metadata): that is the barrier before the rename.
-        dcp.save({"model": state.pop("model"), "optimizer": state.pop("optimizer")}, checkpoint_id=tmp,
-                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        dcp.save(
+            {"model": state.pop("model"), "optimizer": state.pop("optimizer")},
+            checkpoint_id=tmp,
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        )
         if self.d.is_main:
             _write(tmp / "state.pt", state)
             _fsync_dir(tmp)
@@ -122,21 +133,26 @@ class Checkpointer:
         """One run per run dir. A run continues the newest (readable) checkpoint of its own dir,
         or starts in a dir that holds no run (no checkpoint, no model.pt); anything else would
         mix two runs' checkpoints and metrics, so it is refused before anything is written."""
-        ours = resumed is not None and Path(resumed["path"]).resolve().parent == self.directory.resolve()
-        if ours:
-            readable = [p for p in self.complete() if p.resolve() != Path(resumed["path"]).resolve()
-                        and p.name not in self.unreadable]
+        if resumed is not None and Path(resumed["path"]).resolve().parent == self.directory.resolve():
+            readable = [
+                p
+                for p in self.complete()
+                if p.resolve() != Path(resumed["path"]).resolve() and p.name not in self.unreadable
+            ]
             newer = [p.name for p in readable if _step(p) > resumed["progress"]["step"]]
             if newer:
-                raise ConfigError(f"checkpoint.resume={resumed['path']}: this run dir has newer checkpoints "
-                                  f"({', '.join(newer)}); continuing an older one here would mix two runs "
-                                  "(resume it into a new hydra.run.dir)")
+                raise ConfigError(
+                    f"checkpoint.resume={resumed['path']}: this run dir has newer checkpoints "
+                    f"({', '.join(newer)}); continuing an older one here would mix two runs "
+                    "(resume it into a new hydra.run.dir)"
+                )
             return
         held = [p.name for p in self.complete()[-1:]] + ["model.pt"] * (run_dir / "model.pt").is_file()
         if held:
             how = "resume it with checkpoint.resume=auto, or " if resumed is None else ""
-            raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(held)}): {how}"
-                              "choose another hydra.run.dir")
+            raise ConfigError(
+                f"hydra.run.dir={run_dir} already holds a run ({', '.join(held)}): {how}choose another hydra.run.dir"
+            )
 
     def _read(self, path: Path) -> dict:
         """The checkpoint's state; for a DCP directory all but the model and optimizer state,
@@ -150,7 +166,10 @@ class Checkpointer:
 
 
 def _step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    match = _NAME.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint name")
+    return int(match.group(1))
 
 
 def _write(path: Path, state: dict) -> None:
@@ -181,9 +200,11 @@ def check_compatible(saved: dict, current: dict) -> None:
     `saved` and `current` map setting names to values (train.py's `identity`)."""
     for key in current:
         if saved.get(key) != current[key]:
-            raise ConfigError(f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "
-                              f"this run has {key}={current[key]}; exact resume needs the same "
-                              "(or choose another hydra.run.dir)")
+            raise ConfigError(
+                f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "
+                f"this run has {key}={current[key]}; exact resume needs the same "
+                "(or choose another hydra.run.dir)"
+            )
 
 
 def load_model(module: torch.nn.Module, state_dict, source) -> None:
@@ -197,16 +218,30 @@ def load_model(module: torch.nn.Module, state_dict, source) -> None:
         problems = {
             "missing": [k for k in expected if k not in state_dict],
             "unexpected": [k for k in state_dict if k not in expected],
-            "other shape": [k for k in expected if k in state_dict and hasattr(state_dict[k], "shape")
-                            and state_dict[k].shape != expected[k].shape],
+            "other shape": [
+                k
+                for k in expected
+                if k in state_dict and hasattr(state_dict[k], "shape") and state_dict[k].shape != expected[k].shape
+            ],
         }
-        brief = "; ".join(f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                          for what, keys in problems.items() if keys)
+        brief = "; ".join(
+            f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for what, keys in problems.items() if keys
+        )
         raise ConfigError(f"{source} does not fit the model: {brief or 'not a state_dict'}") from None
 
 
-def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, identity: dict, settings: dict,
-             wandb_run_id: str | None, d: Dist) -> dict:
+def snapshot(
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    meter,
+    progress: dict,
+    identity: dict,
+    settings: dict,
+    wandb_run_id: str | None,
+    d: Dist,
+) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
     module (for FSDP: its model and optimizer state are this rank's shards, saved with DCP);
     (The train loader needs nothing: its generator and batches are seeded from (seed, epoch).)
@@ -215,14 +250,20 @@ def snapshot(model, optimizer, scheduler, scaler, meter, progress: dict, identit
     if d.any(not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())):  # all save, or none
         raise RunError(f"refusing to checkpoint non-finite weights or buffers at step {progress['step']}")
     if isinstance(model, FSDPModule):
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # type: ignore[arg-type]  # an nn.Module too
     else:
         model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-    return {"model": model_state, "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "progress": dict(progress),
-            "identity": identity, "settings": settings,
-            "wandb_run_id": wandb_run_id,
-            "ranks": {"rng": rng_state(), "meter": meter.state_dict()}}
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "progress": dict(progress),
+        "identity": identity,
+        "settings": settings,
+        "wandb_run_id": wandb_run_id,
+        "ranks": {"rng": rng_state(), "meter": meter.state_dict()},
+    }
 
 
 def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) -> None:
@@ -234,8 +275,10 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
     the streams an uninterrupted run would have drawn."""
     sharded, saved_world = isinstance(model, FSDPModule), len(state["ranks"])
     if state["sharded"] != sharded:
-        raise ConfigError(f"checkpoint.resume: {state['path']} was written with {_layout(state['sharded'])}, "
-                          f"this run has {_layout(sharded)}; resume with the same parallel mode")
+        raise ConfigError(
+            f"checkpoint.resume: {state['path']} was written with {_layout(state['sharded'])}, "
+            f"this run has {_layout(sharded)}; resume with the same parallel mode"
+        )
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     if sharded:
         model_state, optimizer_state = get_state_dict(model, optimizer)  # the shapes to load into
@@ -244,9 +287,11 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     else:
         if saved_world != d.world_size:
-            raise ConfigError(f"checkpoint.resume: {state['path']} was written by {saved_world} ranks, this run "
-                              f"has {d.world_size}; per-rank RNG streams cannot be mapped exactly (use the same "
-                              "world size, or parallel=fsdp, whose checkpoints load on any)")
+            raise ConfigError(
+                f"checkpoint.resume: {state['path']} was written by {saved_world} ranks, this run "
+                f"has {d.world_size}; per-rank RNG streams cannot be mapped exactly (use the same "
+                "world size, or parallel=fsdp, whose checkpoints load on any)"
+            )
         load_model(model, state["model"], state["path"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -258,9 +303,13 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
         set_rng_state(state["ranks"][d.rank]["rng"])
         return
     counts = state["ranks"][0]["meter"]  # step, sample and sync counts: the same on every rank
-    loss_sum = sum(r["meter"]["loss_sum"] for r in state["ranks"]) if d.is_main else torch.zeros_like(counts["loss_sum"])
+    loss_sum = (
+        sum(r["meter"]["loss_sum"] for r in state["ranks"]) if d.is_main else torch.zeros_like(counts["loss_sum"])
+    )
     meter.load_state_dict(dict(counts, loss_sum=loss_sum))  # the row's loss is their all-reduced sum
-    seed_all(int(np.random.SeedSequence([state["identity"]["seed"], state["progress"]["step"], d.rank]).generate_state(1)[0]))
+    seed_all(
+        int(np.random.SeedSequence([state["identity"]["seed"], state["progress"]["step"], d.rank]).generate_state(1)[0])
+    )
     d.print0(f"checkpoint.resume: written by {saved_world} ranks, now {d.world_size}; per-rank RNG streams re-seeded")
 
 
@@ -271,11 +320,14 @@ def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None
     would silently override a changed optim.* on resume. The configured values go back in, and
     each group's lr is recomputed as LambdaLR does: base lr x the (rebuilt) schedule at the
     restored step. With unchanged settings this reproduces the saved values exactly."""
-    for group, settings in zip(optimizer.param_groups, configured):
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
         group.update(settings)
     scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
-    lrs = [base * schedule(scheduler.last_epoch) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
+    lrs = [
+        base * schedule(scheduler.last_epoch)
+        for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reports (LambdaLR keeps it in this attribute)
 
@@ -288,5 +340,6 @@ def full_state_dict(model) -> dict:
     """The full, plain state_dict for model.pt (`model` unwrapped). FSDP: every rank must call
     it; the shards are gathered to rank 0 (on CPU), the other ranks get {}."""
     if isinstance(model, FSDPModule):
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)  # type: ignore[arg-type]  # an nn.Module too
     return model.state_dict()

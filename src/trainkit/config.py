@@ -1,4 +1,5 @@
 """Config checks with one-line errors, and the OmegaConf resolvers the Hydra tree uses."""
+
 import datetime
 import functools
 import os
@@ -16,7 +17,7 @@ class RunError(RuntimeError):
     """The run cannot go on (e.g. a non-finite loss). Printed as one line, exit status 3."""
 
 
-def user_error(error: Exception) -> ConfigError | RunError | None:
+def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it."""
     while error is not None and not isinstance(error, (ConfigError, RunError)):
         error = error.__cause__ if isinstance(error, InstantiationException) else None
@@ -37,8 +38,12 @@ def run_stamp() -> str:
         return stamp
     from torch.distributed import TCPStore
 
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=datetime.timedelta(seconds=60))
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
     key = f"trainkit/run_stamp/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
     return store.compare_set(key, "", stamp).decode()
 
@@ -66,6 +71,7 @@ def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
     """["optim.lr=0.003 -> 1e-06", ...]: settings under `prefixes` that differ from `saved`."""
     keys = sorted(k for k in saved.keys() | current.keys() if k.startswith(prefixes))
     return [f"{k}={saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
+
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
@@ -140,15 +146,18 @@ def check(cfg: DictConfig) -> None:
 def _check_fsdp(cfg: DictConfig) -> None:
     units = cfg.parallel.get("shard_units")
     if units is not None and not (isinstance(units, ListConfig) and all(isinstance(u, str) for u in units)):
-        raise ConfigError(f"parallel.shard_units={units} must be null or a list of module class names, "
-                          "e.g. [BasicBlock]")
+        raise ConfigError(
+            f"parallel.shard_units={units} must be null or a list of module class names, e.g. [BasicBlock]"
+        )
     if not isinstance(cfg.parallel.get("reshard_after_forward", True), bool):
         raise ConfigError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} must be true or false")
     if cfg.trainer.precision == "fp16":
         # GradScaler checks each rank's gradient shard for inf/NaN on its own: ranks would
         # disagree on skipping a step. bf16 needs no scaler.
-        raise ConfigError("trainer.precision=fp16 is not supported with parallel=fsdp (GradScaler would decide "
-                          "per gradient shard); use trainer.precision=bf16")
+        raise ConfigError(
+            "trainer.precision=fp16 is not supported with parallel=fsdp (GradScaler would decide "
+            "per gradient shard); use trainer.precision=bf16"
+        )
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
@@ -160,7 +169,8 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
     if global_batch % per_step:
         raise ConfigError(
             f"accumulation.global_batch_size={global_batch} is not a multiple of "
-            f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}")
+            f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}"
+        )
     return global_batch // per_step
 
 

@@ -19,7 +19,9 @@ def digits(val_fraction: float = 0.2) -> tuple[Dataset, Dataset]:
     from sklearn.datasets import load_digits
 
     if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1 (1 leaves no training samples)")
+        raise ConfigError(
+            f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1 (1 leaves no training samples)"
+        )
     images, targets = load_digits(return_X_y=True)
     order = np.random.RandomState(0).permutation(len(targets))
     n_val = round(len(targets) * val_fraction)
@@ -38,8 +40,7 @@ def fake(train_size: int, val_size: int, shape, num_classes: int) -> tuple[Datas
     return split(train_size, 0), split(val_size, train_size)
 
 
-_NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)),
-              "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
+_NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)), "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
 
 
 def torchvision_splits(name: str, root: str, download: bool) -> tuple[Dataset, Dataset]:
@@ -48,11 +49,20 @@ def torchvision_splits(name: str, root: str, download: bool) -> tuple[Dataset, D
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])])
     try:
-        return tuple(getattr(datasets, name)(root, train=train, download=download, transform=transform)
-                     for train in (True, False))
+        return tuple(
+            getattr(datasets, name)(root, train=train, download=download, transform=transform)
+            for train in (True, False)
+        )
     except RuntimeError:  # torchvision: "Dataset not found or corrupted. You can use download=True..."
-        raise ConfigError(f"data.root={root} holds no {name} data: put the files there, point data.root "
-                          f"(or $TRAINKIT_DATA) at them, or pass data.download=true") from None
+        raise ConfigError(
+            f"data.root={root} holds no {name} data: put the files there, point data.root "
+            f"(or $TRAINKIT_DATA) at them, or pass data.download=true"
+        ) from None
+
+
+def length(dataset: Dataset) -> int:
+    """len() of a map-style data set (torch's Dataset type declares no __len__)."""
+    return len(dataset)  # type: ignore[arg-type]
 
 
 def shard_bounds(num_samples: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -92,8 +102,15 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int):
-        self.shard = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=True,
-                                        seed=seed, drop_last=False)
+        indices = range(num_samples)  # DistributedSampler only takes the len() of its "dataset"
+        self.shard: DistributedSampler = DistributedSampler(
+            indices,  # type: ignore[arg-type]
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=False,
+        )
         real = len(range(rank, num_samples, world_size))  # this rank's shard less the padding
         self.real, self.batches = real, math.ceil(real / batch_size)
         self.batch_size, self.seed, self.rank, self.epoch, self.start = batch_size, seed, rank, 0, 0
@@ -106,7 +123,7 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
         indices = list(itertools.islice(self.shard, self.real))
         for j in range(self.start, self.batches):
             seed = int(np.random.SeedSequence([self.seed, self.epoch, self.rank, j]).generate_state(1)[0])
-            yield seed, indices[j * self.batch_size:(j + 1) * self.batch_size]
+            yield seed, indices[j * self.batch_size : (j + 1) * self.batch_size]
 
     def __len__(self) -> int:
         return max(0, self.batches - self.start)
@@ -124,7 +141,7 @@ class SeededBatches(Dataset):
         self.dataset = dataset
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return length(self.dataset)
 
     def __getitem__(self, index):
         return self.dataset[index]
@@ -145,10 +162,15 @@ class TrainLoader:
     per epoch, empty ones (the rank whose last micro-batch held only padding still runs it)."""
 
     def __init__(self, dataset: Dataset, d: Dist, batch_size: int, num_workers: int, seed: int, micro_batches: int):
-        self.sampler = TrainBatches(len(dataset), d.world_size, d.rank, batch_size, seed)
-        self.loader = DataLoader(SeededBatches(dataset), batch_sampler=self.sampler, num_workers=num_workers,
-                                 generator=torch.Generator(),  # not the global RNG (it seeds the workers)
-                                 pin_memory=d.device.type == "cuda", persistent_workers=num_workers > 0)
+        self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed)
+        self.loader = DataLoader(
+            SeededBatches(dataset),
+            batch_sampler=self.sampler,
+            num_workers=num_workers,
+            generator=torch.Generator(),  # not the global RNG (it seeds the workers)
+            pin_memory=d.device.type == "cuda",
+            persistent_workers=num_workers > 0,
+        )
         self.dataset, self.seed, self.micro_batches = dataset, seed, micro_batches
 
     def epoch(self, epoch: int, start: int = 0):
@@ -166,7 +188,12 @@ class TrainLoader:
 
 
 def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int) -> DataLoader:
-    sampler = ContiguousSampler(len(dataset), d.world_size, d.rank)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      generator=torch.Generator(),  # its iterator draws a seed: not from the training RNG
-                      pin_memory=d.device.type == "cuda")
+    sampler = ContiguousSampler(length(dataset), d.world_size, d.rank)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        generator=torch.Generator(),  # its iterator draws a seed: not from the training RNG
+        pin_memory=d.device.type == "cuda",
+    )

@@ -2,11 +2,13 @@
 
 Rank 0 is decided once here (`Dist.is_main`, `print0`); no other module asks for the rank.
 """
+
 import contextlib
 import datetime
 import os
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -94,16 +96,22 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, jo
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    here = torch.device(device)
+    if here.type == "cuda":
+        torch.cuda.set_device(here)
     if launched_by_torchrun():
         if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = "nccl" if here.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, store=_store(world_size, timeout, job), rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
-    return Dist(rank, local_rank, world_size, device)
+        dist.init_process_group(
+            backend,
+            store=_store(world_size, timeout, job),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=here if here.type == "cuda" else None,
+        )
+    return Dist(rank, local_rank, world_size, here)
 
 
 def _store(world_size: int, timeout: datetime.timedelta, job: int) -> dist.Store | None:
@@ -117,8 +125,9 @@ def _store(world_size: int, timeout: datetime.timedelta, job: int) -> dist.Store
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job_{job}", store)
 
 
@@ -134,7 +143,7 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     """Exit with a one-line error printed by rank 0 (the others exit quietly)."""
     if env_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)

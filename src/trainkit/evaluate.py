@@ -1,4 +1,5 @@
 """Evaluation: every validation sample counted exactly once, at any world size."""
+
 import torch
 import torch.nn.functional as F
 

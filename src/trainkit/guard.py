@@ -1,5 +1,6 @@
 """Optimizer steps with a non-finite loss or gradient: decided on all ranks together (a rank
 that skips alone hangs the others), and a skipped window leaves no trace."""
+
 import torch
 
 from trainkit.config import RunError
@@ -21,7 +22,7 @@ class StepGuard:
         self.saved = [b.clone() for b in self.buffers]
 
     def start_window(self) -> None:
-        for saved, buffer in zip(self.saved, self.buffers):
+        for saved, buffer in zip(self.saved, self.buffers, strict=True):
             saved.copy_(buffer)
 
     def decide(self, window_loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> str:
@@ -33,8 +34,9 @@ class StepGuard:
         if not (bad_loss or bad_grad):
             return "step"
         if self.on_nonfinite == "raise":
-            raise RunError(f"non-finite loss or gradient at step {step} (trainer.on_nonfinite=raise; "
-                           "skip drops such windows)")
+            raise RunError(
+                f"non-finite loss or gradient at step {step} (trainer.on_nonfinite=raise; skip drops such windows)"
+            )
         return "skip"
 
     def undo(self, outcome: str) -> None:
@@ -42,7 +44,7 @@ class StepGuard:
         if outcome == "overflow":
             self.scaler.update()  # unscale_ recorded the overflow: the scale backs off, as GradScaler.step would
             return
-        for saved, buffer in zip(self.saved, self.buffers):
+        for saved, buffer in zip(self.saved, self.buffers, strict=True):
             buffer.copy_(saved)
         if self.scaler.is_enabled():  # close the step GradScaler's unscale_ opened, the scale unchanged
             self.scaler.update(self.scaler.get_scale())

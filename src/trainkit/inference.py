@@ -1,24 +1,12 @@
 """Distributed inference: each rank predicts its contiguous shard (data.eval_loader), and
 `gather` reassembles the per-rank results into dataset order, equal to a single-process run."""
+
 import contextlib
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from trainkit.config import PRECISIONS, ConfigError
 from trainkit.dist import Dist
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_for(precision: str, device: torch.device):
-    """A zero-argument context factory: autocast for bf16/fp16, a null context for fp32."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"trainer.precision={precision} is not one of: {', '.join(PRECISIONS)}")
-    if precision not in _DTYPES:
-        return contextlib.nullcontext
-    return partial(torch.autocast, device.type, dtype=_DTYPES[precision])
 
 
 def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -43,10 +31,10 @@ def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
     full_shape = shapes[sizes.index(max(sizes))].tolist()
     padded = tensor.new_zeros(full_shape)
     if len(tensor):  # an empty rank's trailing dims may differ (e.g. 0 x 0): nothing to copy
-        padded[:len(tensor)] = tensor
+        padded[: len(tensor)] = tensor
     chunks = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(chunks, padded)
-    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)])
+    return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)])
 
 
 @torch.inference_mode()

@@ -1,10 +1,12 @@
 """Metrics from rank 0 only: metrics.jsonl in the run dir, the console, and W&B."""
+
 import contextlib
 import json
 import netrc
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +24,7 @@ class MetricsLogger:
         if resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept))
-        self.file = open(path, "a")
+        self.file = open(path, "a")  # noqa: SIM115 (a long-lived handle, closed in __exit__)
         self.wandb = _start_wandb(run_dir, cfg, wandb_id) if cfg.logger.name == "wandb" else None
 
     @property
@@ -64,7 +66,9 @@ def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool, resume: dict | No
     """resume: the checkpoint a run continues from (its step and W&B run id), or None."""
     if not is_main:
         return NullLogger()
-    return MetricsLogger(run_dir, cfg, resume and resume["progress"]["step"], resume and resume["wandb_run_id"])
+    if resume is None:
+        return MetricsLogger(run_dir, cfg, None, None)
+    return MetricsLogger(run_dir, cfg, resume["progress"]["step"], resume["wandb_run_id"])
 
 
 def wandb_mode() -> str:
@@ -84,10 +88,17 @@ def wandb_mode() -> str:
 def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
     import wandb
 
-    return wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                      tags=list(cfg.logger.tags), dir=str(run_dir), mode=wandb_mode(),
-                      config=OmegaConf.to_container(cfg, resolve=True), id=run_id,
-                      resume="allow" if run_id else None)
+    return wandb.init(
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        tags=list(cfg.logger.tags),
+        dir=str(run_dir),
+        mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it
+        config=cast(dict, OmegaConf.to_container(cfg, resolve=True)),
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
 
 
 class TrainMeter:
@@ -142,10 +153,17 @@ class TrainMeter:
 
     def state_dict(self) -> dict:
         """The sums since the last row, so a resumed run logs the same rows."""
-        return {"loss_sum": self.loss_sum, "norm_sum": self.norm_sum, "steps": self.steps,
-                "window_samples": self.window_samples, "row_skipped": self.row_skipped,
-                "samples": self.samples, "skipped": self.skipped,
-                "syncs": self.comm.syncs - self.syncs, "bytes": self.comm.bytes - self.bytes}
+        return {
+            "loss_sum": self.loss_sum,
+            "norm_sum": self.norm_sum,
+            "steps": self.steps,
+            "window_samples": self.window_samples,
+            "row_skipped": self.row_skipped,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "syncs": self.comm.syncs - self.syncs,
+            "bytes": self.comm.bytes - self.bytes,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss_sum.copy_(state["loss_sum"])
@@ -159,11 +177,14 @@ class TrainMeter:
         loss_sum = self.d.all_reduce_sum(self.loss_sum).item()
         counted = self.steps - self.row_skipped
         elapsed = time.perf_counter() - self.started
-        row = {"loss": loss_sum / self.window_samples if counted else float("nan"),
-               "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),
-               "samples": self.samples,
-               "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
-               "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
-               "samples_per_s": self.row_samples / elapsed, "skipped_steps": self.skipped}
+        row = {
+            "loss": loss_sum / self.window_samples if counted else float("nan"),
+            "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),
+            "samples": self.samples,
+            "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
+            "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
+            "samples_per_s": self.row_samples / elapsed,
+            "skipped_steps": self.skipped,
+        }
         self._reset()
         return row

@@ -1,4 +1,5 @@
 """Models, built by Hydra from conf/model/*.yaml (`_target_`)."""
+
 import math
 
 from torch import nn
@@ -22,9 +23,15 @@ def cnn(in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
     return nn.Sequential(
-        *stage(in_channels, width), *stage(width, width), nn.MaxPool2d(2),
-        *stage(width, 2 * width), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Dropout(dropout), nn.Linear(2 * width, num_classes))
+        *stage(in_channels, width),
+        *stage(width, width),
+        nn.MaxPool2d(2),
+        *stage(width, 2 * width),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(dropout),
+        nn.Linear(2 * width, num_classes),
+    )
 
 
 def resnet18(in_channels: int, num_classes: int) -> nn.Module:

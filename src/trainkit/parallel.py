@@ -1,4 +1,5 @@
 """All wrapping in one place: wrap(model) for single / DDP / FSDP2, plus counting of gradient syncs."""
+
 import math
 from dataclasses import dataclass
 
@@ -22,11 +23,15 @@ def resolve_mode(mode: str, world_size: int, under_torchrun: bool) -> str:
     if mode == "auto":
         return "ddp" if under_torchrun else "single"
     if mode == "single" and world_size > 1:
-        raise ConfigError(f"parallel=single with world size {world_size} would train {world_size} "
-                          "independent replicas; use parallel=ddp (or auto, or fsdp) under torchrun")
+        raise ConfigError(
+            f"parallel=single with world size {world_size} would train {world_size} "
+            "independent replicas; use parallel=ddp (or auto, or fsdp) under torchrun"
+        )
     if mode != "single" and not under_torchrun:
-        raise ConfigError(f"parallel={mode} needs torchrun (e.g. torchrun --nproc_per_node=2 "
-                          "src/train.py ...); use parallel=single or auto without it")
+        raise ConfigError(
+            f"parallel={mode} needs torchrun (e.g. torchrun --nproc_per_node=2 "
+            "src/train.py ...); use parallel=single or auto without it"
+        )
     return mode
 
 
@@ -47,12 +52,20 @@ def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
     stats.bytes += buffer.numel() * buffer.element_size()
     if bucket.is_last():
         stats.syncs += 1
-    return default_hooks.allreduce_hook(None, bucket)
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
 
 
-def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precision: str = "fp32",
-         shard_units=None, reshard_after_forward: bool = True, bucket_cap_mb: float | None = None
-         ) -> tuple[nn.Module, CommStats]:
+def wrap(
+    model: nn.Module,
+    mode: str,
+    d: Dist,
+    sync_bn: bool = False,
+    *,
+    precision: str = "fp32",
+    shard_units=None,
+    reshard_after_forward: bool = True,
+    bucket_cap_mb: float | None = None,
+) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
     for `mode`; returns the counters of its gradient syncs. DDP only: `bucket_cap_mb` (None:
     torch's default, 25). FSDP only: `shard_units`, `reshard_after_forward`, and `precision`
@@ -65,16 +78,23 @@ def wrap(model: nn.Module, mode: str, d: Dist, sync_bn: bool = False, *, precisi
         # With SyncBN the running statistics are identical on every rank already: DDP's
         # broadcast of rank 0's buffers before every forward would only cost time.
         # gradient_as_bucket_view: .grad lives in DDP's all-reduce buckets, not in a second copy.
-        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None,
-                    forward_sync_buffers=not sync_bn, gradient_as_bucket_view=True,
-                    **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}))
+        model = DDP(
+            model,
+            device_ids=[d.device.index] if d.device.type == "cuda" else None,
+            forward_sync_buffers=not sync_bn,
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=bucket_cap_mb,  # None: torch's default (25 MiB)
+        )
         model.register_comm_hook(stats, _counting_allreduce)
     elif mode == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         # bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and keep the
         # sharded parameters the optimizer steps in fp32. Elsewhere autocast alone (train.py).
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if precision == "bf16" and d.device.type == "cuda" else MixedPrecisionPolicy())
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16" and d.device.type == "cuda"
+            else MixedPrecisionPolicy()
+        )
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
@@ -92,8 +112,10 @@ def fsdp_units(model: nn.Module, class_names=None) -> list[nn.Module]:
     units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if missing := names - {type(m).__name__ for m in units}:
         present = sorted({type(m).__name__ for m in model.modules() if m is not model})
-        raise ConfigError(f"parallel.shard_units: no submodule of class {', '.join(sorted(missing))} in "
-                          f"{type(model).__name__} (it has: {', '.join(present)})")
+        raise ConfigError(
+            f"parallel.shard_units: no submodule of class {', '.join(sorted(missing))} in "
+            f"{type(model).__name__} (it has: {', '.join(present)})"
+        )
     return units
 
 
@@ -107,6 +129,7 @@ def _count_reduce_scatters(model: nn.Module, stats: CommStats, world_size: int) 
     stays open until autograd's final callback of that backward (the mechanism DDP and FSDP
     use themselves). No hook call: nothing was reduced (set_requires_gradient_sync(False)).
     """
+
     def close_round():
         stats.round_open = False
 

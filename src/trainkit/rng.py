@@ -1,4 +1,5 @@
 """Seeding and the RNG states a checkpoint keeps per rank (weights_only-safe values)."""
+
 import random
 
 import numpy as np
@@ -15,19 +16,27 @@ def seed_all(seed: int) -> None:
 def rng_state() -> dict:
     """This rank's python, numpy, torch and CUDA generator states, as weights_only-safe values."""
     np_state = np.random.get_state(legacy=False)
-    return {"python": random.getstate(),
-            "numpy": {**np_state, "state": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                                            "pos": np_state["state"]["pos"]}},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            **np_state,
+            "state": {
+                "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                "pos": np_state["state"]["pos"],
+            },
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy = state["numpy"]
-    np.random.set_state({**numpy, "state": {"key": numpy["state"]["key"].numpy().astype(np.uint32),
-                                            "pos": numpy["state"]["pos"]}})
+    np.random.set_state(
+        {**numpy, "state": {"key": numpy["state"]["key"].numpy().astype(np.uint32), "pos": numpy["state"]["pos"]}}
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -3,6 +3,7 @@
 conf/sched/*.yaml binds their settings (`_partial_`); train.py adds total_steps and hands the
 result to torch's LambdaLR, which calls it once per optimizer step.
 """
+
 import math
 
 

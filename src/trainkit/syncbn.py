@@ -26,6 +26,7 @@ extra forward hangs the others), which trainkit's accumulation loop guarantees.
 `convert_sync_batchnorm` swaps the layers before wrapping (DDP/FSDP) and uses torch's
 implementation for CUDA models, ours everywhere else.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,9 +53,17 @@ def _per_channel(t: Tensor, ndim: int) -> Tensor:
 
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                running_mean: Tensor | None, running_var: Tensor | None, eps: float,
-                momentum: float, group: ProcessGroup) -> Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        momentum: float,
+        group: ProcessGroup,
+    ) -> Tensor:
         dims, ndim, channels = _reduce_dims(x), x.dim(), x.shape[1]
         # Half-precision inputs get float32 statistics, as in F.batch_norm; the few per-channel
         # numbers that travel and merge are float64 on CPU (exact counts, means kept to 1e-16).
@@ -76,13 +85,15 @@ class _SyncBatchNormFn(torch.autograd.Function):
         gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, packed, group=group)
         stats = torch.stack(gathered)
-        counts, means, m2s = stats[:, :1], stats[:, 1:channels + 1], stats[:, channels + 1:]
+        counts, means, m2s = stats[:, :1], stats[:, 1 : channels + 1], stats[:, channels + 1 :]
 
         # Chan et al.: merge (n_r, mean_r, M2_r) without subtracting two large sums.
         total = counts.sum()
         if total.item() <= 1:  # every rank sees the same total, so every rank raises
-            raise ValueError("Expected more than 1 value per channel when training, "
-                             f"got {int(total.item())} across the process group")
+            raise ValueError(
+                "Expected more than 1 value per channel when training, "
+                f"got {int(total.item())} across the process group"
+            )
         mean = (counts * means).sum(0) / total
         m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
         invstd = torch.rsqrt(m2 / total + eps)  # normalise with the biased variance
@@ -102,10 +113,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
         elif bias is None:
             out = xhat * _per_channel(weight.to(stat_dtype), ndim)
         else:
-            out = torch.addcmul(_per_channel(bias.to(stat_dtype), ndim), xhat,
-                                _per_channel(weight.to(stat_dtype), ndim))
+            out = torch.addcmul(
+                _per_channel(bias.to(stat_dtype), ndim), xhat, _per_channel(weight.to(stat_dtype), ndim)
+            )
 
-        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.save_for_backward(xhat, weight, invstd)  # type: ignore[arg-type]  # weight is None without affine
         ctx.total = total.to(stat_dtype)  # type: ignore[attr-defined]
         ctx.group = group  # type: ignore[attr-defined]
         ctx.x_dtype = x.dtype  # type: ignore[attr-defined]
@@ -145,12 +157,22 @@ class SyncBatchNorm(_BatchNorm):
     `process_group` (default: the whole world). Same arguments and state_dict as
     `nn.BatchNorm*d`; see the module docstring for the communication it does."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True,
-                 process_group: ProcessGroup = None, device: Any = None, dtype: Any = None,
-                 *, bias: bool = True) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype, bias=bias)
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: ProcessGroup = None,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
+        )
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -158,8 +180,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def _synced(self) -> bool:
-        return dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size(self.process_group) > 1
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
@@ -174,10 +195,15 @@ class SyncBatchNorm(_BatchNorm):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         update_running = self.training and self.track_running_stats
         return _SyncBatchNormFn.apply(
-            input, self.weight, self.bias,
+            input,
+            self.weight,
+            self.bias,
             self.running_mean if update_running else None,
             self.running_var if update_running else None,
-            self.eps, factor, self.process_group)
+            self.eps,
+            factor,
+            self.process_group,
+        )
 
 
 def _looks_like_batchnorm(module: nn.Module) -> bool:
@@ -185,8 +211,7 @@ def _looks_like_batchnorm(module: nn.Module) -> bool:
     return "BatchNorm" in name or "BN" in name
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: ProcessGroup = None
-                           ) -> tuple[nn.Module, list[str]]:
+def convert_sync_batchnorm(module: nn.Module, process_group: ProcessGroup = None) -> tuple[nn.Module, list[str]]:
     """Replace every `_BatchNorm` layer (BatchNorm1d/2d/3d, subclasses) in `module` by a
     SyncBatchNorm sharing its parameters, buffers and settings; in place, except that a
     BatchNorm root is returned as a new object. CUDA models get torch's `nn.SyncBatchNorm`,
@@ -196,10 +221,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group: ProcessGroup = None
     (class name contains "BatchNorm" or "BN") but are no `_BatchNorm`, or are uninitialised lazy
     ones; they are left alone so the caller can warn that they will not be synchronised.
     """
-    skipped = [name for name, m in module.named_modules()
-               if (_looks_like_batchnorm(m) and not isinstance(m, _BatchNorm))
-               or (isinstance(m, _BatchNorm) and isinstance(m, LazyModuleMixin)
-                   and m.has_uninitialized_params())]
+    skipped = [
+        name
+        for name, m in module.named_modules()
+        if (_looks_like_batchnorm(m) and not isinstance(m, _BatchNorm))
+        or (isinstance(m, _BatchNorm) and isinstance(m, LazyModuleMixin) and m.has_uninitialized_params())
+    ]
     tensors = [*module.parameters(), *module.buffers()]
     if any(t.is_cuda for t in tensors):
         # torch's fused CUDA kernels; it skips the same custom modules (no _BatchNorm).
@@ -211,8 +238,15 @@ def _convert(module: nn.Module, group: ProcessGroup, skipped: set[str], name: st
     out = module
     already_synced = isinstance(module, (SyncBatchNorm, nn.SyncBatchNorm))
     if isinstance(module, _BatchNorm) and not already_synced and name not in skipped:
-        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, group, bias=module.bias is not None)
+        out = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            group,
+            bias=module.bias is not None,
+        )
         # The same Parameter and buffer objects: values, device and dtype carry over, and
         # the state_dict keys stay those of nn.BatchNorm (model.pt loads into either).
         out.weight, out.bias = module.weight, module.bias

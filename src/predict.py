@@ -114,7 +114,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         run_cfg = load_run_config(cfg)  # before the process group: fail fast, on every rank alike
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
-        return run(cfg, run_cfg, d, Path(HydraConfig.get().runtime.output_dir))
+        accuracy = run(cfg, run_cfg, d, Path(HydraConfig.get().runtime.output_dir))
+        dist.teardown(finished=True)  # before the interpreter exits, see teardown
+        return accuracy
     except Exception as error:
         if (known := user_error(error)) is None:
             raise

@@ -209,7 +209,9 @@ def main(cfg: DictConfig) -> float | None:
         job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
-        return train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
+        val_acc = train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
+        dist.teardown(finished=True)  # before the interpreter exits, see teardown
+        return val_acc
     except Exception as error:  # known failures: one line from rank 0, no traceback
         if (known := config.user_error(error)) is not None:
             dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)

@@ -4,6 +4,7 @@ Rank 0 is decided once here (`Dist.is_main`, `print0`); no other module asks for
 """
 
 import contextlib
+import ctypes
 import datetime
 import os
 import sys
@@ -138,8 +139,24 @@ def lost_peer(error: BaseException) -> bool:
     return dist.is_initialized() and (isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text)
 
 
-def teardown() -> None:
+def teardown(finished: bool = False) -> None:
+    """Destroy the process group. `finished`: every rank completed the run (not on error paths:
+    a rank that died or hangs would hold the others in the barrier for the whole timeout).
+
+    A finished run ends with a barrier whose handle is kept until the process is gone. gloo's
+    worker threads outlive destroy_process_group (FSDP's DeviceMesh, cached by DTensor, keeps the
+    backend) and free a collective's tensors after waking its caller; freeing a tensor Python has
+    seen takes the GIL, and a thread asking for it while the interpreter finalizes is ended by
+    CPython 3.11 with pthread_exit, whose unwinding through the noexcept Work destructor calls
+    std::terminate ("terminate called without an active exception", SIGABRT, after "done:").
+    The barrier is the last collective and refers to every collective still held by a worker
+    thread, so none of them is freed while its handle lives.
+    """
     if dist.is_initialized():
+        if finished:
+            last = dist.barrier(async_op=True)
+            last.wait()
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(last))  # never freed, not even at exit
         dist.destroy_process_group()
 
 

@@ -7,11 +7,14 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from helpers import ROOT
 from train import train
 from trainkit.dist import Dist
+from trainkit.rng import seed_all
 from trainkit.schedules import warmup_cosine
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -193,3 +196,35 @@ def test_throughput_counts_training_time_only():
     with meter.paused():
         time.sleep(0.5)  # evaluation, a checkpoint
     assert meter.row()["samples_per_s"] > 1000 / 0.25
+
+
+def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
+    # lr 0 keeps the initial weights, so every logged pre-clip gradient norm can be recomputed
+    # here: the mean loss over the window's samples (DistributedSampler's order for epoch 0).
+    # 1435 samples, K=3 x b=16: 29 windows of 48 and a short one of 43 (micro-batches 16, 16, 11).
+    overrides = [
+        "data.splits.val_fraction=0.2015",
+        "data.batch_size=16",
+        "accumulation.steps=3",
+        "optim=sgd",
+        "optim.lr=0",
+        "optim.momentum=0",
+        "sched=constant",
+        "trainer.clip_grad_norm=null",
+        "trainer.max_steps=30",
+        "trainer.log_every=1",
+        "trainer.eval_every=1000",
+    ]
+    _, rows = run(tmp_path, *overrides)
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    seed_all(cfg.seed)
+    model = instantiate(cfg.model)
+    train_set, _ = instantiate(cfg.data.splits)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
+    for step in (1, 30):
+        x, y = train_set[order[(step - 1) * 48 : step * 48]]
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # the mean over the window's samples
+        norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        assert rows[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-5), step

@@ -11,7 +11,6 @@ from typing import cast
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -67,6 +66,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
+    task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
     precision = cfg.trainer.precision
     autocast = autocast_for(precision, d.device)
@@ -136,7 +136,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                     with sync_context(model, syncs_now(cfg.accumulation.strategy, k, micro_steps)):
                         with autocast():
-                            loss_sum = F.cross_entropy(model(x), y, reduction="sum")  # 0 for an empty batch
+                            loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
                         scaler.scale(loss_sum * scale).backward()
                     meter.add_micro_step(loss_sum)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
@@ -165,7 +165,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     )
                 with meter.paused():
                     if (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set):
-                        row |= (val := evaluate(unwrap(model), val_loader, d, autocast))
+                        row |= (val := evaluate(unwrap(model), val_loader, d, autocast, task))
                         d.print0(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
                             f"val acc {val['val/acc']:.4f}"
@@ -192,7 +192,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         )
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
-        val = evaluate(unwrap(model), val_loader, d, autocast)
+        val = evaluate(unwrap(model), val_loader, d, autocast, task)
     final = full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
         torch.save(final, run_dir / "model.pt")

@@ -164,3 +164,31 @@ def noisy_digits(val_fraction: float = 0.2):
 
     train, val = digits(val_fraction)
     return NoisyDigits(train), val
+
+
+class LeastSquares:
+    """task._target_=helpers.LeastSquares: half the squared error per sample, the regression task
+    a fork would write (tests/test_ddp.py checks training against its closed form)."""
+
+    def loss_sum(self, output, target):
+        return 0.5 * (output.squeeze(-1) - target).pow(2).sum()
+
+    def eval_sums(self, output, target):
+        loss = self.loss_sum(output, target).double()
+        return torch.stack([loss, torch.zeros_like(loss), torch.tensor(len(target), dtype=torch.float64)])
+
+
+def regression_splits(samples: int = 21, features: int = 3):
+    """y = X w + b exactly, float64; no validation split."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, features, generator=g, dtype=torch.float64)
+    y = x @ torch.linspace(1.0, -2.0, features, dtype=torch.float64) + 0.3
+    return torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(x[:0], y[:0])
+
+
+def zero_linear(features: int = 3) -> nn.Module:
+    """A float64 linear model starting at zero (gradient descent's closed form starts there too)."""
+    model = nn.Linear(features, 1, dtype=torch.float64)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    return model

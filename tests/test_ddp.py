@@ -1,15 +1,18 @@
 """DDP on 2 gloo ranks: gradient syncs counted by the comm hook, why no_sync must wrap forward
 too, and exact accumulation on a linear regression whose answer is known in closed form."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 from torch import nn
-from torch.utils.data import TensorDataset
 
-from helpers import run_distributed
-from trainkit.accumulate import EpochLayout, sync_context, syncs_now
-from trainkit.data import TrainLoader
+from helpers import ROOT, regression_splits, run_distributed
+from train import train
+from trainkit.accumulate import sync_context, syncs_now
 from trainkit.dist import Dist
 from trainkit.parallel import wrap
 
@@ -84,30 +87,35 @@ def test_one_sync_per_optimizer_step_with_no_sync_and_k_with_sync_each_batch():
         assert result["backward_only"] == {"syncs": 1, "same": True}
 
 
-def _regression(rank, world_size, batch_size, steps, X, y, lr, epochs):
-    """train.py's accumulation loop, reduced to plain SGD on least squares."""
+def _regression(rank, world_size, batch_size, steps, run_dir):
+    """train.py's train() itself on least squares (helpers.LeastSquares, a float64 linear model
+    from zero, plain SGD): the same loop, sampler and normalisation as every other run."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "task._target_=helpers.LeastSquares",
+                "data.splits._target_=helpers.regression_splits",
+                "~data.splits.val_fraction",
+                "optim=sgd",
+                "optim.lr=0.1",
+                "optim.momentum=0",
+                "sched=constant",
+                "trainer.clip_grad_norm=null",
+                "trainer.epochs=2",
+                f"data.batch_size={batch_size}",
+                f"accumulation.steps={steps}",
+                "checkpoint.every=0",
+            ],
+        )
+    with open_dict(cfg):
+        cfg.model = {"_target_": "helpers.zero_linear", "features": 3}
     d = Dist(rank, rank, world_size, torch.device("cpu"))
-    dataset = TensorDataset(X, y)
-    layout = EpochLayout(len(dataset), world_size, batch_size, steps)
-    loader = TrainLoader(dataset, d, batch_size, 0, 0, layout.micro_batches)
-    model, _ = wrap(nn.Linear(X.shape[1], 1, dtype=torch.float64), "ddp" if world_size > 1 else "single", d)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for epoch in range(epochs):
-        batches = loader.epoch(epoch)
-        for window in range(layout.windows(drop_last=False)):
-            micro_steps, scale = layout.micro_steps(window), world_size / layout.window_samples(window)
-            for k in range(micro_steps):
-                xb, yb = next(batches)
-                with sync_context(model, syncs_now("no_sync", k, micro_steps)):
-                    losses = 0.5 * (model(xb).squeeze(1) - yb) ** 2
-                    (losses.sum() * scale).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    module = model.module if world_size > 1 else model
-    return torch.cat([module.weight.detach().flatten(), module.bias.detach()])
+    train(cfg, d, "ddp" if world_size > 1 else "single", Path(run_dir))
+    if rank == 0:
+        weights = torch.load(Path(run_dir) / "model.pt", weights_only=True)
+        return torch.cat([weights["weight"].flatten(), weights["bias"]])
+    return None
 
 
 def _closed_form(X, y, global_batch, lr, epochs):
@@ -124,16 +132,13 @@ def _closed_form(X, y, global_batch, lr, epochs):
     return np.concatenate([w, [b]])
 
 
-def test_linear_regression_two_ranks_k4_b1_equals_one_process_b8_and_closed_form():
-    torch.manual_seed(0)
-    X = torch.randn(21, 3, dtype=torch.float64)  # 21 = 2 full windows of 8 and a short one of 5
-    y = X @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 0.3
+def test_linear_regression_two_ranks_k4_b1_equals_one_process_b8_and_closed_form(tmp_path):
+    X, y = regression_splits()[0].tensors  # 21 = 2 full windows of 8 and a short one of 5
     expected = _closed_form(X, y, global_batch=8, lr=0.1, epochs=2)
-    single = _regression(0, 1, 8, 1, X, y, 0.1, 2)
-    ranks = run_distributed(_regression, 2, 1, 4, X, y, 0.1, 2)
+    single = _regression(0, 1, 8, 1, str(tmp_path / "single"))
+    two_ranks = run_distributed(_regression, 2, 1, 4, str(tmp_path / "ddp"))[0]
     np.testing.assert_allclose(single.numpy(), expected, rtol=1e-12, atol=1e-12)
-    for weights in ranks:
-        np.testing.assert_allclose(weights.numpy(), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(two_ranks.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_sync_bn_is_skipped_with_one_process(capsys):

@@ -27,6 +27,7 @@ from trainkit.metrics import TrainMeter
 from trainkit.models import resnet18
 from trainkit.parallel import EqualBatches, fsdp_units, resolve_mode, wrap
 from trainkit.schedules import warmup_cosine
+from trainkit.tasks import Classification
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -166,7 +167,7 @@ def _two_ranks(rank, world_size, directory):
     data = TensorDataset(torch.randn(17, 6), torch.randint(0, 3, (17,)))
     loader = EqualBatches(eval_loader(data, d, 4, 0), world_size)
     out["eval_batches"] = [len(x) for x, _ in loader]
-    out["eval"] = evaluate(fsdp, loader, d, contextlib.nullcontext)
+    out["eval"] = evaluate(fsdp, loader, d, contextlib.nullcontext, Classification())
     full = full_state_dict(fsdp)  # gathered to rank 0
     sharded = [p.full_tensor() for p in fsdp.parameters()]  # a collective: on every rank
     if rank == 0:

@@ -1,14 +1,14 @@
 """Evaluation: every validation sample counted exactly once, at any world size."""
 
 import torch
-import torch.nn.functional as F
 
 from trainkit.dist import Dist
+from trainkit.tasks import Classification
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, float]:
-    """Loss and accuracy over the loader's contiguous shards (data.eval_loader), from
+def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task: Classification) -> dict[str, float]:
+    """The task's loss and accuracy over the loader's contiguous shards (data.eval_loader), from
     all-reduced sums and counts, never a mean of per-rank means.
 
     Pass the unwrapped module: a DDP forward may run collectives, and the shards (hence the
@@ -20,22 +20,19 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast) -> dict[str, flo
     # model.pt keeps. (A no-op in single mode; with SyncBN they are equal already.)
     for buffer in model.buffers():
         d.broadcast_from_main(buffer)
-    return _evaluate(model, loader, d, autocast)
+    return _evaluate(model, loader, d, autocast, task)
 
 
 @torch.inference_mode()
-def _evaluate(model, loader, d, autocast) -> dict[str, float]:
+def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=d.device)
-    correct = torch.zeros((), dtype=torch.float64, device=d.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss, correct, items
     for x, y in loader:
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with autocast():
-            logits = model(x)
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
-        correct += (logits.argmax(dim=1) == y).sum()
+            output = model(x)
+        sums += task.eval_sums(output, y).to(d.device)
     model.train(was_training)
-    totals = d.all_reduce_sum(torch.stack([loss_sum, correct]))
-    count = len(loader.dataset)
-    return {"val/loss": totals[0].item() / count, "val/acc": totals[1].item() / count}
+    loss, correct, items = d.all_reduce_sum(sums).tolist()
+    return {"val/loss": loss / items, "val/acc": correct / items}

@@ -73,7 +73,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d)
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
-    meter = TrainMeter(d, comm)
+    meter = TrainMeter(d, comm, task.items_name)
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
     checkpointer = Checkpointer(
@@ -124,17 +124,23 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                # One optimizer step: the global window of up to K micro-batches per rank.
-                micro_steps, samples = layout.micro_steps(window), layout.window_samples(window)
-                # The gradient is the mean over the window's real samples of all ranks, also for
-                # a short last window. DDP and FSDP average over ranks, hence the factor world_size.
-                scale = d.world_size / samples
+                # One optimizer step: the global window of up to K micro-batches per rank, fetched
+                # first, so its number of loss-bearing items (samples; tokens for a sequence task)
+                # is known before the first backward.
+                micro = [next(batches) for _ in range(layout.micro_steps(window))]
+                samples = layout.window_samples(window)
+                items: int | torch.Tensor = samples
+                if task.items_name:  # counted in the data: one all-reduce of a number per step
+                    items = d.all_reduce_sum(sum(task.items(y) for _, y in micro).to(d.device, torch.float64))
+                # The gradient is the mean over the window's items of all ranks, also for a short
+                # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
+                scale = d.world_size / items
                 guard.start_window()  # on_nonfinite=skip: a dropped window must leave no trace
-                for k in range(micro_steps):
-                    x, y = (t.to(d.device, non_blocking=True) for t in next(batches))
+                for k, batch in enumerate(micro):
+                    x, y = (t.to(d.device, non_blocking=True) for t in batch)
                     # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                     # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
-                    with sync_context(model, syncs_now(cfg.accumulation.strategy, k, micro_steps)):
+                    with sync_context(model, syncs_now(cfg.accumulation.strategy, k, len(micro))):
                         with autocast():
                             loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
                         scaler.scale(loss_sum * scale).backward()
@@ -154,7 +160,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                meter.add_step(grad_norm, samples, skipped=outcome != "step")
+                meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
 
                 row: dict[str, float] = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:

@@ -170,12 +170,20 @@ class LeastSquares:
     """task._target_=helpers.LeastSquares: half the squared error per sample, the regression task
     a fork would write (tests/test_ddp.py checks training against its closed form)."""
 
+    items_name, eval_width = None, 3  # items are samples
+
     def loss_sum(self, output, target):
         return 0.5 * (output.squeeze(-1) - target).pow(2).sum()
 
-    def eval_sums(self, output, target):
+    def items(self, target):
+        return torch.tensor(len(target))
+
+    def eval_sums(self, inputs, output, target):
         loss = self.loss_sum(output, target).double()
         return torch.stack([loss, torch.zeros_like(loss), torch.tensor(len(target), dtype=torch.float64)])
+
+    def eval_metrics(self, sums):
+        return {"val/loss": sums[0] / sums[2]}
 
 
 def regression_splits(samples: int = 21, features: int = 3):
@@ -192,3 +200,29 @@ def zero_linear(features: int = 3) -> nn.Module:
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     return model
+
+
+class TokenMeanPerMicroBatch:
+    """task._target_=helpers.TokenMeanPerMicroBatch: the usual loop's loss, to measure what the
+    exact per-token normalisation prevents. Each micro-batch's loss is the mean over its own
+    tokens (weighted like a sample mean, so a full window gets mean over micro-batches and ranks
+    of their token means): a token in a short micro-batch weighs more than one elsewhere."""
+
+    items_name, eval_width = None, 4 + 2 * 9
+
+    def __init__(self):
+        from trainkit.tasks import LanguageModel
+
+        self.lm = LanguageModel(max_digits=3)
+
+    def loss_sum(self, output, target):
+        return self.lm.loss_sum(output, target) / self.lm.items(target).clamp(min=1) * len(target)
+
+    def items(self, target):
+        return torch.tensor(len(target))
+
+    def eval_sums(self, inputs, output, target):
+        return self.lm.eval_sums(inputs, output, target)
+
+    def eval_metrics(self, sums):
+        return self.lm.eval_metrics(sums)

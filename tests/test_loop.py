@@ -192,7 +192,7 @@ def test_throughput_counts_training_time_only():
     meter = TrainMeter(CPU, CommStats())
     time.sleep(0.5)  # start-up: building data, model, resuming
     meter.start_clock()
-    meter.add_step(torch.tensor(1.0), samples=1000)
+    meter.add_step(torch.tensor(1.0), samples=1000, items=1000)
     with meter.paused():
         time.sleep(0.5)  # evaluation, a checkpoint
     assert meter.row()["samples_per_s"] > 1000 / 0.25

@@ -60,6 +60,12 @@ def torchvision_splits(name: str, root: str, download: bool) -> tuple[Dataset, D
         ) from None
 
 
+def collate_fn(dataset: Dataset):
+    """The data set's own `collate_fn` (e.g. padding sequences to the batch's longest), else
+    torch's default."""
+    return getattr(dataset, "collate_fn", default_collate)
+
+
 def length(dataset: Dataset) -> int:
     """len() of a map-style data set (torch's Dataset type declares no __len__)."""
     return len(dataset)  # type: ignore[arg-type]
@@ -163,9 +169,11 @@ class TrainLoader:
 
     def __init__(self, dataset: Dataset, d: Dist, batch_size: int, num_workers: int, seed: int, micro_batches: int):
         self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed)
+        self.collate = collate_fn(dataset)
         self.loader = DataLoader(
             SeededBatches(dataset),
             batch_sampler=self.sampler,
+            collate_fn=self.collate,
             num_workers=num_workers,
             generator=torch.Generator(),  # not the global RNG (it seeds the workers)
             pin_memory=d.device.type == "cuda",
@@ -183,7 +191,7 @@ class TrainLoader:
 
     def _empty(self, ran: int):
         if ran < self.micro_batches:
-            empty = tuple(t[:0] for t in default_collate([self.dataset[0]]))  # right shape and dtype
+            empty = tuple(t[:0] for t in self.collate([self.dataset[0]]))  # right shape and dtype
             yield from itertools.repeat(empty, self.micro_batches - ran)
 
 
@@ -193,6 +201,7 @@ def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int) ->
         dataset,
         batch_size=batch_size,
         sampler=sampler,
+        collate_fn=collate_fn(dataset),
         num_workers=num_workers,
         generator=torch.Generator(),  # its iterator draws a seed: not from the training RNG
         pin_memory=d.device.type == "cuda",

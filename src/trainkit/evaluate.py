@@ -27,12 +27,11 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task: Classifica
 def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     was_training = model.training
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss, correct, items
+    sums = torch.zeros(task.eval_width, dtype=torch.float64, device=d.device)  # loss, correct, counts, ...
     for x, y in loader:
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
         with autocast():
             output = model(x)
-        sums += task.eval_sums(output, y).to(d.device)
+        sums += task.eval_sums(x, output, y).to(d.device)
     model.train(was_training)
-    loss, correct, items = d.all_reduce_sum(sums).tolist()
-    return {"val/loss": loss / items, "val/acc": correct / items}
+    return task.eval_metrics(d.all_reduce_sum(sums).tolist())

@@ -103,18 +103,23 @@ def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
 
 class TrainMeter:
     """Sums since the last log row, kept as device tensors so the loop never waits on .item():
-    the one host sync (and the one all-reduce of the loss) happens when a row is written."""
+    the one host sync (and the one all-reduce of the loss) happens when a row is written.
 
-    def __init__(self, d, comm):
-        self.d, self.comm = d, comm
+    Items are what the loss is a mean over: samples, or tokens for a sequence task, whose row
+    then also reports `items_name` (e.g. "tokens": seen so far, all ranks)."""
+
+    def __init__(self, d, comm, items_name: str | None = None):
+        self.d, self.comm, self.items_name = d, comm, items_name
         self.samples = self.skipped = 0
+        self.items = torch.zeros((), dtype=torch.float64, device=d.device)
         self.window_loss = torch.zeros((), dtype=torch.float64, device=d.device)
         self._reset()
 
     def _reset(self):
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
         self.norm_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
-        self.steps = self.window_samples = self.row_skipped = self.row_samples = 0
+        self.row_items = torch.zeros((), dtype=torch.float64, device=self.d.device)
+        self.steps = self.row_skipped = self.row_samples = 0
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
         self.started = time.perf_counter()
 
@@ -133,22 +138,23 @@ class TrainMeter:
             self.started += time.perf_counter() - started
 
     def add_micro_step(self, loss_sum: torch.Tensor) -> None:
-        """loss_sum: this rank's summed per-sample loss of one micro-batch (padding weighs 0)."""
+        """loss_sum: this rank's summed loss of one micro-batch's items."""
         self.window_loss += loss_sum.detach()
 
-    def add_step(self, grad_norm: torch.Tensor, samples: int, skipped: bool = False) -> None:
-        """grad_norm: the global pre-clip norm; samples: the window's real samples, all ranks;
-        skipped: the window had a non-finite loss or gradient and was dropped."""
+    def add_step(self, grad_norm: torch.Tensor, samples: int, items: int | torch.Tensor, skipped: bool = False) -> None:
+        """grad_norm: the global pre-clip norm; samples and items: the window's real samples and
+        loss-bearing items, all ranks; skipped: the window was dropped (non-finite, or fp16 overflow)."""
         self.steps += 1
         self.samples += samples
         self.row_samples += samples
+        self.items += items
         if skipped:
             self.skipped += 1
             self.row_skipped += 1
         else:
             self.loss_sum += self.window_loss
             self.norm_sum += grad_norm.detach()
-            self.window_samples += samples
+            self.row_items += items
         self.window_loss.zero_()
 
     def state_dict(self) -> dict:
@@ -156,8 +162,9 @@ class TrainMeter:
         return {
             "loss_sum": self.loss_sum,
             "norm_sum": self.norm_sum,
+            "row_items": self.row_items,
+            "items": self.items,
             "steps": self.steps,
-            "window_samples": self.window_samples,
             "row_skipped": self.row_skipped,
             "samples": self.samples,
             "skipped": self.skipped,
@@ -166,9 +173,9 @@ class TrainMeter:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss_sum.copy_(state["loss_sum"])
-        self.norm_sum.copy_(state["norm_sum"])
-        for key in ("steps", "window_samples", "row_skipped", "samples", "skipped"):
+        for key in ("loss_sum", "norm_sum", "row_items", "items"):
+            getattr(self, key).copy_(state[key])
+        for key in ("steps", "row_skipped", "samples", "skipped"):
             setattr(self, key, state[key])
         self.syncs, self.bytes = self.comm.syncs - state["syncs"], self.comm.bytes - state["bytes"]
 
@@ -178,9 +185,10 @@ class TrainMeter:
         counted = self.steps - self.row_skipped
         elapsed = time.perf_counter() - self.started
         row = {
-            "loss": loss_sum / self.window_samples if counted else float("nan"),
+            "loss": loss_sum / self.row_items.item() if counted else float("nan"),
             "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),
             "samples": self.samples,
+            **({self.items_name: int(self.items.item())} if self.items_name else {}),
             "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
             "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
             "samples_per_s": self.row_samples / elapsed,

@@ -1,21 +1,77 @@
 """What is learned: a task turns a batch's model output and targets into the summed loss of its
-loss-bearing items (the loop normalises it over the global window) and the evaluation sums.
-train.py and evaluate.py are the same for every task: forking for another task means writing
-one class here (or in your project) and its conf/task/<name>.yaml."""
+loss-bearing items (the loop normalises it over the global window), counts those items, and
+gives the evaluation sums. train.py and evaluate.py are the same for every task: forking for
+another task means one class here (or in your project) and its conf/task/<name>.yaml."""
 
 import torch
 import torch.nn.functional as F
+
+from trainkit.addition import IGNORE, operand_lengths
 
 
 class Classification:
     """Items are samples: per-sample cross-entropy; accuracy is argmax == target."""
 
+    items_name = None  # items are samples: the epoch layout counts them, no communication needed
+    eval_width = 3  # len(eval_sums(...))
+
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The summed loss of the batch's items (0 for an empty batch)."""
         return F.cross_entropy(output, target, reduction="sum")
 
-    def eval_sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """[loss sum, correct, items] of one evaluation batch, float64 (all-reduced by evaluate)."""
+    def items(self, target: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(len(target))
+
+    def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[loss sum, correct, samples] of one evaluation batch, float64 (evaluate all-reduces them)."""
         loss = F.cross_entropy(output.float(), target, reduction="sum")  # float32 also under autocast
         correct = (output.argmax(dim=1) == target).sum()
         return torch.stack([loss.double(), correct.double(), torch.tensor(len(target), dtype=torch.float64)])
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        loss, correct, samples = sums
+        return {"val/loss": loss / samples, "val/acc": correct / samples}
+
+
+class LanguageModel:
+    """Next-token prediction. Items are the loss-bearing tokens (targets other than IGNORE):
+    per-token cross-entropy, whose count differs between micro-batches and ranks. val/acc is the
+    exact match of whole answers: every loss-bearing token's teacher-forced argmax right (equal
+    to greedy decoding's exact match: greedy first goes wrong where argmax does). With
+    `max_digits` (data=addition) it also reports val/acc_<a>x<b> per pair of operand lengths."""
+
+    items_name = "tokens"
+
+    def __init__(self, max_digits: int | None = None):
+        self.max_digits = max_digits
+        self.eval_width = 4 + 2 * len(self._pairs())
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+
+    def items(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != IGNORE).sum()
+
+    def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[loss sum, tokens, correct answers, answers, then per operand-length pair: correct, answers]."""
+        loss = self.loss_sum(output.float(), target)
+        bearing = target != IGNORE
+        right = ((output.argmax(dim=-1) == target) | ~bearing).all(dim=1)
+        sums = [loss.double(), bearing.sum().double(), right.sum().double(), torch.tensor(float(len(target)))]
+        if self.max_digits:
+            lengths = operand_lengths(inputs)
+            for a, b in self._pairs():
+                pair = (lengths[:, 0] == a) & (lengths[:, 1] == b)
+                sums += [(right & pair).sum().double(), pair.sum().double()]
+        return torch.stack([s.to(torch.float64) for s in sums])
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        loss, tokens, correct, answers = sums[:4]
+        metrics = {"val/loss": loss / tokens, "val/acc": correct / answers}
+        for (a, b), (right, count) in zip(self._pairs(), zip(sums[4::2], sums[5::2], strict=True), strict=True):
+            if count:
+                metrics[f"val/acc_{a}x{b}"] = right / count
+        return metrics
+
+    def _pairs(self) -> list[tuple[int, int]]:
+        return [(a, b) for a in range(1, (self.max_digits or 0) + 1) for b in range(1, (self.max_digits or 0) + 1)]

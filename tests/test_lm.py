@@ -1,0 +1,126 @@
+"""Sequences: the addition data, the GPT, and token-exact accumulation (the loss is a mean over
+every loss-bearing token of the global window, whatever the micro-batches and ranks hold)."""
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_train
+from trainkit.addition import IGNORE, Problems, decode, operand_lengths, splits
+from trainkit.models import gpt
+from trainkit.tasks import LanguageModel
+
+
+def test_addition_lengths_vary_masks_cover_the_answer_and_splits_are_fixed_and_stratified():
+    train, val = splits(max_digits=3, num_train=3000, num_val=900)
+    assert (len(train), len(val)) == (3000, 900)
+    assert not {tuple(p) for p in train.pairs.tolist()} & {tuple(p) for p in val.pairs.tolist()}
+    again, _ = splits(max_digits=3, num_train=3000, num_val=900)
+    assert (again.pairs == train.pairs).all()  # fixed: no seed involved
+    for split in (train, val):
+        x, _ = Problems.collate_fn([split[i] for i in range(len(split))])
+        pairs = collections.Counter(map(tuple, operand_lengths(x).tolist()))
+        assert len(pairs) == 9 and min(pairs.values()) >= 40  # every pair of lengths in both splits
+    x, y = train[0]
+    a, b = (int(v) for v in train.pairs[0])
+    text = decode(torch.cat([x, y[-1:]]).tolist())  # the whole sequence
+    assert text == f"{str(a)[::-1]}+{str(b)[::-1]}={str(a + b)[::-1]}$"
+    answer = len(str(a + b)) + 1  # digits and the end token bear the loss, nothing else
+    assert (y != IGNORE).sum() == answer and (y[-answer:] != IGNORE).all()
+    assert decode(y[-answer:].tolist()) == str(a + b)[::-1] + "$"
+    lengths = {len(train[i][0]) for i in range(len(train))}
+    assert lengths == set(range(5, 13))  # inputs: 1+1 with a 1-digit sum: 5 tokens ... 3+3 with 4: 12
+    xb, yb = Problems.collate_fn([train[i] for i in range(8)])
+    assert xb.shape == yb.shape and xb.shape[1] == max(len(train[i][0]) for i in range(8))
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = gpt(vocab_size=14, block_size=16).eval()
+    tokens = torch.randint(0, 14, (2, 12))
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 14
+    before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :7], after[:, :7])  # logits before t do not see token t
+    assert not torch.allclose(before[:, 7:], after[:, 7:])
+
+
+def test_language_model_items_are_the_loss_bearing_tokens_and_exact_match_is_per_answer():
+    task = LanguageModel(max_digits=1)
+    target = torch.tensor([[IGNORE, IGNORE, 3, 12], [IGNORE, IGNORE, IGNORE, 5]])
+    assert task.items(target) == 3
+    logits = torch.full((2, 4, 14), -5.0)
+    for row, col, token in [(0, 2, 3), (0, 3, 12), (1, 3, 4)]:  # row 1 predicts 4 where 5 is right
+        logits[row, col, token] = 5.0
+    inputs = torch.tensor([[1, 10, 2, 11], [3, 10, 4, 11]])  # "1+2=", "3+4=": operands of 1 digit
+    sums = task.eval_sums(inputs, logits, target).tolist()
+    assert sums[1:4] == [3.0, 1.0, 2.0]  # tokens, right answers, answers
+    metrics = task.eval_metrics(sums)
+    assert metrics["val/acc"] == metrics["val/acc_1x1"] == 0.5
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def max_diff(a: Path, b: Path) -> float:
+    wa, wb = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+# One epoch of 300 problems, global batch 32: 9 full windows and a short one of 12, AdamW,
+# cosine warmup, clipping at 1.0. Token counts differ between micro-batches and ranks.
+ADDITION = [
+    "+experiment=addition_gpt",
+    "data.num_train=300",
+    "data.num_val=90",
+    "trainer.max_steps=null",
+    "trainer.epochs=1",
+    "trainer.log_every=1",
+    "trainer.eval_every=1000",
+    "checkpoint.every=0",
+    "sched.warmup_steps=3",
+]
+
+
+@pytest.fixture(scope="module")
+def single_addition(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("addition")
+    run_train(run_dir, *ADDITION, "data.batch_size=32")
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_k2_b8_equal_one_process_b32_token_for_token(single_addition, tmp_path, parallel):
+    extra = ["parallel.shard_units=[Block]"] if parallel == "fsdp" else []
+    run_train(tmp_path, *ADDITION, "data.batch_size=8", "accumulation.steps=2", f"parallel={parallel}", *extra, nproc=2)
+    single, ranks = rows(single_addition), rows(tmp_path)
+    assert len(single) == len(ranks) == 10 and single[-1]["samples"] == 300
+    for a, b in zip(single, ranks, strict=True):
+        assert (a["samples"], a["tokens"]) == (b["samples"], b["tokens"])
+        for key in ("loss", "lr", "grad_norm"):  # loss: the per-token mean over the row
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
+    error = max_diff(tmp_path, single_addition)
+    print(f"{parallel}: max |weights - one process| {error:.2e}")
+    assert error < 1e-5
+
+
+@pytest.mark.slow
+def test_the_usual_per_micro_batch_mean_is_far_from_it(single_addition, tmp_path):
+    run_train(
+        tmp_path,
+        *ADDITION,
+        "data.batch_size=8",
+        "accumulation.steps=2",
+        "parallel=ddp",
+        "task._target_=helpers.TokenMeanPerMicroBatch",
+        "~task.max_digits",
+        nproc=2,
+    )
+    error = max_diff(tmp_path, single_addition)
+    print(f"max |weights - exact| with the per-micro-batch token mean: {error:.2e}")
+    assert error > 1e-3  # 100x the tolerance the exact normalisation meets

@@ -17,11 +17,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist
+from trainkit.addition import END, IGNORE
 from trainkit.checkpoint import load_model
 from trainkit.config import ConfigError, user_error
 from trainkit.data import eval_loader
-from trainkit.inference import predict
+from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
+from trainkit.tasks import LanguageModel
 
 SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
 
@@ -66,17 +68,33 @@ def metrics_of(logits: torch.Tensor, targets: torch.Tensor) -> dict:
     return {"loss": loss / len(targets), "accuracy": correct / len(targets), "samples": len(targets)}
 
 
-def write_predictions(path: Path, logits: torch.Tensor, targets: torch.Tensor, probs: bool) -> None:
-    """index,target,prediction[,prob_0..prob_{C-1}]: one row per sample, in dataset order."""
-    header = ["index", "target", "prediction"]
-    if probs:
-        header += [f"prob_{c}" for c in range(logits.shape[1])]
+def class_rows(out: dict, probs: bool) -> list[list]:
+    """index,target,prediction[,prob_0..prob_{C-1}]: a header, then one row per sample in dataset order."""
+    logits, targets = out["logits"], out["targets"]
+    header = ["index", "target", "prediction"] + ([f"prob_{c}" for c in range(logits.shape[1])] if probs else [])
     prob_rows = logits.softmax(dim=1).tolist() if probs else [[]] * len(targets)
     rows = zip(targets.tolist(), logits.argmax(dim=1).tolist(), prob_rows, strict=True)
-    with open(path, "w") as f:
-        f.write(",".join(header) + "\n")
-        for index, (target, prediction, p) in enumerate(rows):
-            f.write(",".join([str(index), str(target), str(prediction), *(f"{v:.6g}" for v in p)]) + "\n")
+    return [header] + [[i, t, p, *(f"{v:.6g}" for v in q)] for i, (t, p, q) in enumerate(rows)]
+
+
+def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]]:
+    """index,prompt,target,prediction,correct per problem (as people write them), and the exact
+    match overall and per operand-length pair (data=addition)."""
+    rows: list[list] = [["index", "prompt", "target", "prediction", "correct"]]
+    by_lengths: dict[str, list[bool]] = {}
+    for index, tokens in enumerate(generated.tolist()):
+        prompt, target = dataset.problem(index)
+        prediction = dataset.read_answer(tokens)
+        rows.append([index, prompt, target, prediction, int(prediction == target)])
+        pair = "x".join(str(len(n)) for n in prompt[:-1].split("+"))
+        by_lengths.setdefault(pair, []).append(prediction == target)
+    correct = sum(row[-1] for row in rows[1:])
+    metrics = {
+        "accuracy": correct / len(generated),
+        "samples": len(generated),
+        "accuracy_by_operand_lengths": {k: sum(v) / len(v) for k, v in sorted(by_lengths.items())},
+    }
+    return metrics, rows
 
 
 def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> float:
@@ -96,15 +114,20 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
         f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
     )
 
-    out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
-    metrics = metrics_of(out["logits"], out["targets"])
+    if isinstance(instantiate(run_cfg.task), LanguageModel):  # sequences: greedy decoding of answers
+        generated = generate(model.to(d.device), loader, d, END, IGNORE, autocast)  # gathered, every rank
+        metrics, rows = sequence_results(dataset, generated)
+    else:
+        out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
+        metrics, rows = metrics_of(out["logits"], out["targets"]), class_rows(out, cfg.predict.probs)
     if d.is_main:
         config.save(cfg, out_dir)
-        write_predictions(out_dir / "predictions.csv", out["logits"], out["targets"], cfg.predict.probs)
+        with open(out_dir / "predictions.csv", "w") as f:
+            f.writelines(",".join(map(str, row)) + "\n" for row in rows)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     d.print0(
-        f"done: accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} on {metrics['samples']} "
-        f"{cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json"
+        f"done: accuracy {metrics['accuracy']:.4f} on {metrics['samples']} {cfg.split} samples; "
+        f"wrote {out_dir / 'predictions.csv'} and metrics.json"
     )
     return metrics["accuracy"]
 

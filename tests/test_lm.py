@@ -124,3 +124,67 @@ def test_the_usual_per_micro_batch_mean_is_far_from_it(single_addition, tmp_path
     error = max_diff(tmp_path, single_addition)
     print(f"max |weights - exact| with the per-micro-batch token mean: {error:.2e}")
     assert error > 1e-3  # 100x the tolerance the exact normalisation meets
+
+
+@pytest.mark.slow
+def test_predict_decodes_greedily_and_writes_identical_files_on_1_2_3_ranks(single_addition, tmp_path):
+    files = {}
+    for world_size in (1, 2, 3):
+        out = tmp_path / str(world_size)
+        run_train(out, f"run_dir={single_addition}", "batch_size=16", nproc=world_size, script="src/predict.py")
+        files[world_size] = (out / "predictions.csv").read_bytes(), (out / "metrics.json").read_text()
+    assert files[1] == files[2] == files[3]
+    lines = files[1][0].decode().splitlines()
+    assert lines[0] == "index,prompt,target,prediction,correct"
+    rows = [line.split(",") for line in lines[1:]]
+    _, val = splits(max_digits=3, num_train=300, num_val=90)
+    assert [(int(r[0]), r[1], r[2]) for r in rows] == [(i, *val.problem(i)) for i in range(90)]
+    assert all(r[4] == str(int(r[2] == r[3])) for r in rows)
+    metrics = json.loads(files[1][1])
+    # Greedy decoding's exact match equals training's teacher-forced val/acc.
+    assert metrics["accuracy"] == rows_of_run(single_addition)[-1]["val/acc"] == sum(r[4] == "1" for r in rows) / 90
+    assert set(metrics["accuracy_by_operand_lengths"]) == {f"{a}x{b}" for a in (1, 2, 3) for b in (1, 2, 3)}
+
+
+def rows_of_run(run_dir: Path) -> list[dict]:
+    return [r for r in rows(run_dir) if "val/acc" in r]
+
+
+def test_an_lm_run_resumes_bitwise(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from helpers import ROOT, assert_equal
+    from train import train
+    from trainkit.dist import Dist
+
+    cpu = Dist(0, 0, 1, torch.device("cpu"))
+    overrides = [
+        *ADDITION,
+        "trainer.epochs=2",
+        "data.batch_size=16",
+        "accumulation.steps=2",
+        "checkpoint.every=4",
+        "checkpoint.keep=5",
+        "trainer.log_every=3",
+    ]
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    (tmp_path / "straight").mkdir()
+    train(cfg, cpu, "single", tmp_path / "straight")
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    name = "step_00000012.pt"  # mid-epoch 2 (10 steps per epoch), mid-row (rows every 3 steps)
+    (tmp_path / "resumed" / "checkpoints" / name).write_bytes(
+        (tmp_path / "straight" / "checkpoints" / name).read_bytes()
+    )
+    train(cfg, cpu, "single", tmp_path / "resumed")
+    a, b = (
+        torch.load(tmp_path / d / "checkpoints" / "step_00000020.pt", weights_only=True)
+        for d in ("straight", "resumed")
+    )
+    for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
+        assert_equal(a[key], b[key], key)
+
+    def logged(run):  # the rows past the checkpoint, less the throughput (a wall-clock figure)
+        return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows(tmp_path / run) if r["step"] > 12]
+
+    assert logged("resumed") == logged("straight") and logged("straight")[0]["tokens"] > 0

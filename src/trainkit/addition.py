@@ -64,6 +64,11 @@ class Problems(Dataset):
         a, b = (int(v) for v in self.pairs[index])
         return f"{a}+{b}=", str(a + b)
 
+    def read_answer(self, tokens: list[int]) -> str:
+        """Generated tokens up to the end token, as people write the answer (`?` for a non-digit)."""
+        digits = list(itertools.takewhile(lambda t: t != END, tokens))
+        return "".join(VOCAB[t] if 0 <= t < 10 else "?" for t in digits)[::-1]
+
     @staticmethod
     def collate_fn(batch):
         """Pad to the batch's longest sequence: inputs with PAD, targets with IGNORE."""

@@ -53,3 +53,36 @@ def predict(model: torch.nn.Module, loader, d: Dist, autocast=contextlib.nullcon
     local_logits = torch.cat(logits) if logits else torch.empty(0, 0, device=d.device)
     local_targets = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=d.device)
     return {"logits": gather(local_logits, d).cpu(), "targets": gather(local_targets, d).cpu()}
+
+
+@torch.inference_mode()
+def generate(model: torch.nn.Module, loader, d: Dist, end: int, ignore: int, autocast=contextlib.nullcontext):
+    """Greedy decoding of every sequence's answer, in dataset order, on every rank: a (N, L) long
+    tensor of generated tokens, each row cut after its end token (-1 beyond).
+
+    A row's prompt is its input up to the first loss-bearing target (targets are `ignore`
+    before the answer). Rows of a batch are decoded together per prompt length (one forward per
+    new token, the whole prefix each time: no cache, the models here are small), until every
+    row has produced `end` or the model's block_size is full. `loader` reads this rank's
+    contiguous shard; results are gathered like predict()'s."""
+    model.eval()
+    limit = int(model.block_size)  # type: ignore[arg-type]  # sequence models carry their block_size
+    rows = []
+    for x, y in loader:
+        x, y = x.to(d.device), y.to(d.device)
+        prompt_lengths = (y != ignore).int().argmax(dim=1) + 1
+        out = torch.full((len(x), limit), -1, dtype=torch.long, device=d.device)
+        for length in prompt_lengths.unique().tolist():
+            group = (prompt_lengths == length).nonzero().squeeze(1)
+            tokens, done = x[group, :length], torch.zeros(len(group), dtype=torch.bool, device=d.device)
+            for step in range(limit - length):
+                with autocast():
+                    following = model(tokens)[:, -1].argmax(dim=-1)
+                out[group[~done], step] = following[~done]
+                done |= following == end
+                if done.all():
+                    break
+                tokens = torch.cat([tokens, following[:, None]], dim=1)
+        rows.append(out)
+    local = torch.cat(rows) if rows else torch.empty(0, limit, dtype=torch.long, device=d.device)
+    return gather(local, d).cpu()

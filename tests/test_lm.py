@@ -188,3 +188,32 @@ def test_an_lm_run_resumes_bitwise(tmp_path):
         return [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows(tmp_path / run) if r["step"] > 12]
 
     assert logged("resumed") == logged("straight") and logged("straight")[0]["tokens"] > 0
+
+
+class Counting(torch.nn.Module):
+    """A stand-in language model with a known greedy answer: after '=' it writes 0, 1, 2, ...
+    up to the prompt's first digit, then the end token."""
+
+    block_size = 16
+
+    def forward(self, tokens):
+        from trainkit.addition import END, VOCAB
+
+        last, first = tokens[:, -1], tokens[:, :1].expand_as(tokens[:, -1:]).squeeze(1)
+        following = torch.where(last == VOCAB.index("="), 0, last + 1)
+        following = torch.where(((last < 10) & (last >= first)) | (last >= END), END, following)
+        return torch.nn.functional.one_hot(following, 14).float()[:, None].expand(-1, tokens.shape[1], -1)
+
+
+def test_greedy_decoding_stops_at_the_end_token_for_prompts_of_every_length():
+    from trainkit.addition import END, encode
+    from trainkit.dist import Dist
+    from trainkit.inference import generate
+
+    prompts = ["2+1=", "31+7=", "0+0=", "123+45="]
+    batch = Problems.collate_fn(
+        [(torch.tensor(encode(p + "9")), torch.tensor([IGNORE] * (len(p) - 1) + [9, 9])) for p in prompts]
+    )
+    out = generate(Counting(), [batch], Dist(0, 0, 1, torch.device("cpu")), END, IGNORE)
+    answers = [[t for t in row if t != -1] for row in out.tolist()]
+    assert answers == [[0, 1, 2, END], [0, 1, 2, 3, END], [0, END], [0, 1, END]]

@@ -63,6 +63,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         shard_units=cfg.parallel.get("shard_units"),
         reshard_after_forward=cfg.parallel.get("reshard_after_forward", True),
         bucket_cap_mb=cfg.parallel.get("bucket_cap_mb"),
+        comm_hook=cfg.parallel.get("comm_hook", "none"),
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())

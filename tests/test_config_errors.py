@@ -32,6 +32,7 @@ from helpers import run_train
         (["optim.lr=abc"], "optim.lr=abc must be a number >= 0"),
         (["optim.lr=-1"], "optim.lr=-1 must be a number >= 0"),
         (["sched.warmup_steps=abc"], "sched.warmup_steps=abc must be an integer >= 0"),
+        (["parallel.comm_hook=int8"], "parallel.comm_hook=int8 is not one of: none, fp16, bf16"),
         (
             ["data.splits.val_fraction=1.0"],
             "data.splits.val_fraction=1.0 must be >= 0 and < 1 (1 leaves no training samples)",

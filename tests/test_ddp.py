@@ -62,6 +62,17 @@ def _accounting(rank, world_size):
         buckets=model._get_ddp_logging_data()["rebuilt_bucket_sizes"].count(",") + 1,
     )
 
+    # Compression (parallel.comm_hook): the gradients travel in 16 bits, half the bytes.
+    for hook in ("none", "fp16", "bf16"):
+        torch.manual_seed(0)
+        model, comm = wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), "ddp", d, comm_hook=hook)
+        for k in range(4):
+            with sync_context(model, syncs_now("no_sync", k, 4)):
+                model(torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * k + rank))).sum().backward()
+        out[hook] = dict(
+            syncs=comm.syncs, bytes=comm.bytes, grads=_grads(model), same=_same_on_all_ranks(_grads(model))
+        )
+
     # The classic pitfall: forward outside no_sync(), only backward inside. It still syncs.
     torch.manual_seed(0)
     model, comm = wrap(nn.Linear(4, 1), "ddp", d)
@@ -81,6 +92,14 @@ def test_one_sync_per_optimizer_step_with_no_sync_and_k_with_sync_each_batch():
         assert not any(no_sync["same_inside"])  # local accumulation: ranks differ in the window
         assert all(no_sync["same_after"])  # the sync step makes them identical
         assert all(each["same_inside"]) and all(each["same_after"])
+        full = result["none"]
+        for hook, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            compressed = result[hook]
+            assert compressed["syncs"] == 1 and compressed["same"]
+            assert compressed["bytes"] == full["bytes"] // 2 == full["grads"].numel() * 2
+            # Each rank's sum rounded to 16 bits once: within that dtype's resolution of the exact mean.
+            tolerance = 4 * torch.finfo(dtype).eps * full["grads"].abs().max()
+            assert 0 < (compressed["grads"] - full["grads"]).abs().max() <= tolerance, hook
         buckets = result["buckets"]  # DDP rebuilds its buckets after the first step: 3 from then on
         assert buckets["buckets"] == 3 and buckets["syncs"] == 3 and buckets["bytes"] == 3 * buckets["param_bytes"]
         # no_sync() around backward alone does not stop the all-reduce: DDP armed it in forward.

@@ -77,6 +77,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
+COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -130,6 +131,7 @@ def check(cfg: DictConfig) -> None:
     _optional_positive_int("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
     _positive("parallel.timeout_s", cfg.parallel.timeout_s)
     _optional_positive("parallel.bucket_cap_mb", cfg.parallel.get("bucket_cap_mb"))
+    _one_of("parallel.comm_hook", cfg.parallel.get("comm_hook", "none"), COMM_HOOKS)
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     # Values that _target_ constructors would reject with a traceback (or accept silently).
     for key in ("lr", "weight_decay", "momentum"):

@@ -45,14 +45,23 @@ class CommStats:
     round_open: bool = False  # FSDP: a backward has reduce-scattered, its round is counted
 
 
-def _counting_allreduce(stats: CommStats, bucket: torch.distributed.GradBucket):
-    """DDP's default all-reduce (sum / world size), counted. One backward reduces several
-    buckets; the last one closes a synchronisation."""
+# parallel.comm_hook: torch's DDP hooks, and the dtype the gradients travel in (None: their own).
+_HOOKS = {
+    "none": (default_hooks.allreduce_hook, None),
+    "fp16": (default_hooks.fp16_compress_hook, torch.float16),
+    "bf16": (default_hooks.bf16_compress_hook, torch.bfloat16),
+}
+
+
+def _counting(state: tuple, bucket: torch.distributed.GradBucket):
+    """A DDP comm hook (torch's all-reduce, or its fp16/bf16 compression: sum / world size),
+    counted. One backward reduces several buckets; the last one closes a synchronisation."""
+    stats, hook, wire = state
     buffer = bucket.buffer()
-    stats.bytes += buffer.numel() * buffer.element_size()
+    stats.bytes += buffer.numel() * (wire.itemsize if wire is not None else buffer.element_size())
     if bucket.is_last():
         stats.syncs += 1
-    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group
+    return hook(None, bucket)  # None: the default group
 
 
 def wrap(
@@ -65,11 +74,13 @@ def wrap(
     shard_units=None,
     reshard_after_forward: bool = True,
     bucket_cap_mb: float | None = None,
+    comm_hook: str = "none",
 ) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
     for `mode`; returns the counters of its gradient syncs. DDP only: `bucket_cap_mb` (None:
-    torch's default, 25). FSDP only: `shard_units`, `reshard_after_forward`, and `precision`
-    (bf16 on CUDA: a bf16 MixedPrecisionPolicy)."""
+    torch's default, 25) and `comm_hook` (none, or fp16/bf16 compression). FSDP only:
+    `shard_units`, `reshard_after_forward`, and `precision` (bf16 on CUDA: a bf16
+    MixedPrecisionPolicy)."""
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
@@ -85,7 +96,7 @@ def wrap(
             gradient_as_bucket_view=True,
             bucket_cap_mb=bucket_cap_mb,  # None: torch's default (25 MiB)
         )
-        model.register_comm_hook(stats, _counting_allreduce)
+        model.register_comm_hook((stats, *_HOOKS[comm_hook]), _counting)
     elif mode == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         # bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and keep the

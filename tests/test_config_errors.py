@@ -49,7 +49,8 @@ def test_bad_setting_is_one_line_with_exit_2(tmp_path, overrides, message):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "group,options", [("model", ["cnn", "mlp", "resnet18"]), ("data", ["cifar10", "digits", "fake", "mnist"])]
+    "group,options",
+    [("model", ["cnn", "gpt", "mlp", "resnet18"]), ("data", ["addition", "cifar10", "digits", "fake", "mnist"])],
 )
 def test_unknown_choice_names_the_group_and_its_options(tmp_path, group, options):
     proc = run_train(tmp_path, f"{group}=nope", check=False)

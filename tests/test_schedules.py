@@ -2,8 +2,10 @@ import itertools
 import math
 
 import pytest
+import torch
 
-from trainkit.schedules import constant, warmup_cosine
+from trainkit.config import ConfigError
+from trainkit.schedules import constant, one_cycle, warmup_cosine
 
 
 def test_constant_with_and_without_warmup():
@@ -27,3 +29,25 @@ def test_warmup_cosine_without_warmup_matches_closed_form():
     for s in range(0, 51, 5):
         expected = 0.5 * (1 + math.cos(math.pi * s / 50))
         assert warmup_cosine(s, total_steps=50) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("total, pct", [(100, 0.3), (7, 0.25), (10, 0.15), (2, 0.3), (1, 0.3)])
+def test_one_cycle_matches_torchs_one_cycle_lr(total, pct):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    torchs = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.1, total_steps=total, pct_start=pct, div_factor=10.0, cycle_momentum=False
+    )
+    for step in range(total):
+        expected = torchs.get_last_lr()[0]
+        assert 0.1 * one_cycle(step, total_steps=total, pct_start=pct, div_factor=10.0) == pytest.approx(expected)
+        optimizer.step()
+        if step < total - 1:  # torch's raises past its last step
+            torchs.step()
+    assert one_cycle(total + 5, total_steps=total) == pytest.approx(1 / 25e4)  # past the end it stays there
+
+
+def test_one_cycle_rejects_a_bad_setting_naming_it():
+    with pytest.raises(ConfigError, match="pct_start=1.5"):
+        one_cycle(0, total_steps=10, pct_start=1.5)
+    assert one_cycle(0, total_steps=10, pct_start=0.1) == 1.0  # the peak at step 0 (torch's divides by zero)

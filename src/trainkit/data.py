@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset, get_worker_info
 from torch.utils.data.dataloader import default_collate
 
@@ -43,21 +44,48 @@ def fake(train_size: int, val_size: int, shape, num_classes: int) -> tuple[Datas
 _NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)), "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
 
 
-def torchvision_splits(name: str, root: str, download: bool) -> tuple[Dataset, Dataset]:
-    """A torchvision classification set (MNIST, CIFAR10) read from `root`."""
+def _augmentation(name: str) -> list:
+    """The training split's random augmentation (data.augment=true). torchvision's transforms draw
+    from torch's global RNG, which SeededBatches seeds per micro-batch: resume stays exact."""
+    from torchvision import transforms
+
+    if name == "CIFAR10":  # the standard CIFAR recipe: pad 4 and crop back to 32, mirror half the images
+        return [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+    raise ConfigError(f"data.augment=true: no augmentation is defined for {name} (only CIFAR10)")
+
+
+def torchvision_splits(name: str, root: str, download: bool, augment: bool = False) -> tuple[Dataset, Dataset]:
+    """A torchvision classification set (MNIST, CIFAR10) read from `root`; `augment`: random
+    augmentation of the training split (the validation split is never augmented)."""
     from torchvision import datasets, transforms
 
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])])
+    tensor = [transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])]
+    train_transform = transforms.Compose((_augmentation(name) if augment else []) + tensor)
     try:
         return tuple(
             getattr(datasets, name)(root, train=train, download=download, transform=transform)
-            for train in (True, False)
+            for train, transform in ((True, train_transform), (False, transforms.Compose(tensor)))
         )
     except RuntimeError:  # torchvision: "Dataset not found or corrupted. You can use download=True..."
         raise ConfigError(
             f"data.root={root} holds no {name} data: put the files there, point data.root "
             f"(or $TRAINKIT_DATA) at them, or pass data.download=true"
         ) from None
+
+
+def micro_batch(global_batch: int, steps: int, world_size: int | str = 1) -> int:
+    """${micro_batch:<global batch>,<K>,<world size>}: the per-device batch that keeps the global
+    batch fixed whatever K and the world size (conf/experiment/accumulation_sweep.yaml)."""
+    per_step = int(steps) * int(world_size)
+    if int(global_batch) % per_step:
+        raise ConfigError(
+            f"micro_batch: the global batch {global_batch} is not a multiple of K x world size = {steps} x {world_size}"
+        )
+    return int(global_batch) // per_step
+
+
+# Registered at import: train.py and predict.py import this module before they read the config.
+OmegaConf.register_new_resolver("micro_batch", micro_batch, replace=True)
 
 
 def collate_fn(dataset: Dataset):

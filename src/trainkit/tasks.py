@@ -7,17 +7,26 @@ import torch
 import torch.nn.functional as F
 
 from trainkit.addition import IGNORE, operand_lengths
+from trainkit.config import ConfigError
 
 
 class Classification:
-    """Items are samples: per-sample cross-entropy; accuracy is argmax == target."""
+    """Items are samples: per-sample cross-entropy; accuracy is argmax == target.
+
+    `label_smoothing` (in [0, 1)) smooths the training targets only: val/loss stays the plain
+    cross-entropy, comparable between runs with and without it."""
 
     items_name = None  # items are samples: the epoch layout counts them, no communication needed
     eval_width = 3  # len(eval_sums(...))
 
+    def __init__(self, label_smoothing: float = 0.0):
+        if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 1):
+            raise ConfigError(f"task.label_smoothing={label_smoothing} must be a number in [0, 1)")
+        self.label_smoothing = float(label_smoothing)
+
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The summed loss of the batch's items (0 for an empty batch)."""
-        return F.cross_entropy(output, target, reduction="sum")
+        return F.cross_entropy(output, target, reduction="sum", label_smoothing=self.label_smoothing)
 
     def items(self, target: torch.Tensor) -> torch.Tensor:
         return torch.tensor(len(target))

@@ -1,0 +1,177 @@
+"""conf/experiment/*.yaml: every experiment composes and trains (a new file is covered by the glob),
+the accumulation sweep keeps its global batch, and the pieces the CIFAR-10 recipe adds: label
+smoothing, the micro_batch resolver, reproducible augmentation."""
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from helpers import ROOT, run_train
+from trainkit import config
+from trainkit.config import ConfigError
+from trainkit.data import TrainLoader, micro_batch, torchvision_splits
+from trainkit.dist import Dist
+from trainkit.tasks import Classification
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def write_fake_cifar10(root: Path, per_batch: int = 4, test: int = 6) -> Path:
+    """A CIFAR-10 in torchvision's on-disk format (cifar-10-batches-py/: five pickled training
+    batches, test_batch, batches.meta), with random images; `root` is what data.root takes."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    files = [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", test)]
+    for name, n in files:
+        data = rng.integers(0, 256, (n, 3 * 32 * 32), dtype=np.uint8)  # rows of R, G, B planes
+        batch = {"batch_label": name, "labels": rng.integers(0, 10, n).tolist(), "data": data}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    meta = {"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
+    return root
+
+
+def _skip_md5():
+    """torchvision checks each CIFAR file's md5 against the real data set: accept any present file."""
+    import torchvision.datasets.cifar as cifar
+
+    cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)
+
+
+def unverified_torchvision_splits(**kwargs):
+    """data.splits._target_=test_experiments.unverified_torchvision_splits: trainkit's
+    torchvision_splits on a generated CIFAR-10 (whose md5 sums cannot match)."""
+    _skip_md5()
+    return torchvision_splits(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory) -> Path:
+    return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
+
+
+def small(data: str, cifar_root: Path) -> list[str]:
+    """Overrides that make an experiment a 2-step run of seconds: less data, smaller batches."""
+    common = ["trainer.max_steps=2", "trainer.eval_every=2", "checkpoint.every=0"]
+    per_data = {
+        "fake": ["data.splits.train_size=32", "data.splits.val_size=8", "data.batch_size=4"],
+        "addition": ["data.num_train=200", "data.num_val=90", "data.batch_size=8"],
+        "cifar10": [
+            f"data.root={cifar_root}",
+            "data.splits._target_=test_experiments.unverified_torchvision_splits",
+            "data.num_workers=0",
+            "accumulation.global_batch_size=8",  # the recipe's 128 would be one partial batch here
+        ],
+    }
+    return common + per_data.get(data, [])
+
+
+def compose_experiment(name: str, *overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", [f"+experiment={name}", *overrides])
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root):
+    cfg = compose_experiment(name, *small("", cifar_root))
+    config.check(cfg)
+    instantiate(cfg.model)
+    instantiate(cfg.task)
+    assert 0 <= instantiate(cfg.sched, total_steps=10)(0) <= 1
+    assert config.accumulation_steps(cfg, 1) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path):
+    cfg = compose_experiment(name)
+    nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
+    sweep = tmp_path / "sweep"
+    overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
+    proc = run_train(tmp_path / "run", *overrides, nproc=nproc)
+    run_dirs = (
+        [p for p in sweep.iterdir() if p.is_dir()] if sweep.is_dir() else [tmp_path / "run"]
+    )  # a sweep: a dir a job
+    assert proc.stdout.count("done: 2 steps") == len(run_dirs), proc.stdout
+    assert all((run_dir / "model.pt").is_file() for run_dir in run_dirs)
+    model = cfg.model._target_.split(".")[-1]
+    assert f"x{nproc} on cpu | model={model} data={cfg.data.name} " in proc.stdout
+
+
+@pytest.mark.slow
+def test_accumulation_sweep_runs_k_1_2_4_8_at_one_global_batch_without_dash_m(tmp_path):
+    # Two ranks: the per-device batch divides by the world size too (${oc.env:WORLD_SIZE}).
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        tmp_path / "unused",
+        "+experiment=accumulation_sweep",
+        "trainer.max_steps=2",
+        f"hydra.sweep.dir={sweep}",
+        nproc=2,
+    )
+    layouts = re.findall(r"global batch (\d+) = 2 ranks x (\d+) micro-batch x (\d+) accumulation", proc.stdout)
+    assert [tuple(map(int, t)) for t in layouts] == [(32, 16, 1), (32, 8, 2), (32, 4, 4), (32, 2, 8)]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+    for job, steps in enumerate((1, 2, 4, 8)):
+        saved = OmegaConf.load(sweep / str(job) / ".hydra" / "config.yaml")
+        assert saved.accumulation.steps == steps and saved.accumulation.global_batch_size == 32
+        assert (sweep / str(job) / "model.pt").is_file()
+
+
+def test_label_smoothing_is_in_the_training_loss_only():
+    torch.manual_seed(0)
+    output, target = torch.randn(5, 10), torch.randint(0, 10, (5,))
+    task = Classification(label_smoothing=0.1)
+    expected = F.cross_entropy(output, target, label_smoothing=0.1) * 5  # a sum over samples
+    assert torch.allclose(task.loss_sum(output, target), expected)
+    assert not torch.allclose(task.loss_sum(output, target), F.cross_entropy(output, target) * 5)
+    assert task.loss_sum(output[:0], target[:0]).item() == 0.0  # an empty micro-batch
+    plain = F.cross_entropy(output, target, reduction="sum").double()
+    assert task.eval_sums(output, output, target)[0] == plain  # val/loss: plain cross-entropy
+    assert Classification().label_smoothing == 0.0
+    with pytest.raises(ConfigError, match="task.label_smoothing=1"):
+        Classification(label_smoothing=1.0)
+
+
+def test_micro_batch_keeps_the_global_batch_and_names_a_bad_split():
+    cfg = OmegaConf.create({"g": 32, "k": 4, "b": "${micro_batch:${g},${k},${oc.env:TRAINKIT_TEST_WORLD,2}}"})
+    assert cfg.b == 4
+    assert micro_batch(128, 1, "1") == 128
+    with pytest.raises(ConfigError, match="32 is not a multiple of K x world size = 3 x 1"):
+        micro_batch(32, 3, 1)
+
+
+def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
+    _skip_md5()
+    train, val = torchvision_splits("CIFAR10", str(cifar_root), download=False, augment=True)
+    plain, plain_val = torchvision_splits("CIFAR10", str(cifar_root), download=False)
+    torch.manual_seed(1)
+    assert not torch.equal(train[0][0], plain[0][0])  # cropped/flipped: augmented
+    assert all(torch.equal(val[i][0], plain_val[i][0]) for i in range(len(val)))  # validation: never
+
+    def epoch(dataset, workers: int, start: int = 0):
+        loader = TrainLoader(dataset, CPU, batch_size=4, num_workers=workers, seed=0, micro_batches=5)
+        return [x for x, _ in loader.epoch(3, start=start)]
+
+    batches = epoch(train, 0)
+    assert not torch.equal(torch.cat(batches), torch.cat(epoch(plain, 0)))
+    # The same draws in a loader worker and after a mid-epoch resume: torchvision's transforms draw
+    # from torch's RNG, which SeededBatches seeds per micro-batch.
+    for got in (epoch(train, 2), [*batches[:2], *epoch(train, 0, start=2)]):
+        assert all(torch.equal(a, b) for a, b in zip(got, batches, strict=True))
+
+
+def test_augmentation_of_a_set_without_one_is_refused():
+    with pytest.raises(ConfigError, match="no augmentation is defined for MNIST"):
+        torchvision_splits("MNIST", "/nonexistent", download=False, augment=True)

@@ -215,7 +215,7 @@ def main(cfg: DictConfig) -> float | None:
         hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig at run time
         job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
-        mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_by_torchrun())
+        mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
         val_acc = train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc

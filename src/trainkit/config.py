@@ -48,7 +48,9 @@ def run_stamp() -> str:
     return store.compare_set(key, "", stamp).decode()
 
 
-OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+# use_cache: a submitit task re-resolves hydra.sweep.dir in its own process; the cached stamp
+# travels with the pickled config, so every job lands in the launching process's sweep dir.
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
 
 
 def save(cfg: DictConfig, run_dir: Path) -> None:

@@ -6,7 +6,9 @@ Rank 0 is decided once here (`Dist.is_main`, `print0`); no other module asks for
 import contextlib
 import ctypes
 import datetime
+import functools
 import os
+import random
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -80,33 +82,68 @@ class Dist:
         return tensor
 
 
-def launched_by_torchrun() -> bool:
+def _torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass(frozen=True)
+class SubmititTask:
+    """This task's place in a submitit job (hydra/launcher=submitit_local|slurm: one task per GPU)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+@functools.cache
+def submitit_task() -> SubmititTask | None:
+    """The submitit job this process is a task of; None under torchrun (its environment wins,
+    e.g. torchrun started inside a SLURM job) or outside submitit. submitit is imported only here."""
+    if _torchrun() or "SUBMITIT_EXECUTOR" not in os.environ:
+        return None
+    import submitit
+
+    env = submitit.JobEnvironment()
+    # Every task derives the same port from the job id; each job of a sweep (SLURM array task,
+    # local controller) has its own id, so concurrent jobs on one node do not meet.
+    port = random.Random(env.job_id).randint(20000, 60000)
+    return SubmititTask(env.global_rank, env.local_rank, env.num_tasks, env.hostnames[0], port)
+
+
+def launched_distributed() -> bool:
+    """Started as one of a job's processes, by torchrun or by submitit."""
+    return _torchrun() or submitit_task() is not None
 
 
 def env_rank() -> int:
     """The rank before any process group exists (for printing errors from rank 0 only)."""
-    return int(os.environ.get("RANK", "0"))
+    task = submitit_task()
+    return task.rank if task else int(os.environ.get("RANK", "0"))
 
 
 def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, job: int = 0) -> Dist:
-    """Join the torchrun process group (none without torchrun) and pick this rank's device.
-    `job`: the job's number in a Hydra sweep (each job builds its own process group)."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    """Join the job's process group (torchrun's, or a submitit job's; none without either) and
+    pick this rank's device. `job`: the job's number in a Hydra sweep (each job builds its own
+    process group)."""
+    task = submitit_task()
+    rank = task.rank if task else int(os.environ.get("RANK", 0))
+    local_rank = task.local_rank if task else int(os.environ.get("LOCAL_RANK", 0))
+    world_size = task.world_size if task else int(os.environ.get("WORLD_SIZE", 1))
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     here = torch.device(device)
     if here.type == "cuda":
         torch.cuda.set_device(here)
-    if launched_by_torchrun():
+    if launched_distributed():
         if backend == "auto":
             backend = "nccl" if here.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            store=_store(world_size, timeout, job),
+            init_method=f"tcp://{task.master_addr}:{task.master_port}" if task else None,
+            store=None if task else _store(world_size, timeout, job),
             rank=rank,
             world_size=world_size,
             timeout=timeout,

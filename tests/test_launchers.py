@@ -1,0 +1,107 @@
+"""Beyond one process per torchrun: submitit's launcher (the SLURM path, run locally) and
+multi-node torchrun (two agents meeting through a c10d rendezvous), end to end on digits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, _env, _free_port, run_train
+
+TINY = ("model.width=16", "model.depth=1", "data.batch_size=8", "trainer.max_steps=2")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def submitit_logs(sweep: Path, task: int) -> str:
+    """What the tasks numbered `task` of every job printed (<sweep>/.submitit/<job id>/<job id>_<task>_log.out)."""
+    return "".join(p.read_text() for p in sorted(sweep.glob(f".submitit/*/*_{task}_log.out")))
+
+
+def run_submitit(tmp: Path, *overrides: str, sweep_dir: str | None = None) -> subprocess.CompletedProcess:
+    # timeout_min: a stuck task is ended by submitit's controller, which outlives a killed launcher.
+    return run_train(
+        tmp / "unused",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=3",
+        f"hydra.sweep.dir={sweep_dir or tmp}",
+        "parallel.timeout_s=60",
+        *TINY,
+        *overrides,
+        timeout=240,
+    )
+
+
+@pytest.mark.slow
+def test_submitit_local_runs_one_ddp_job_of_two_tasks_into_one_job_dir(tmp_path):
+    run_submitit(tmp_path, "parallel=ddp", "accumulation.steps=2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".submitit", "0", "multirun.yaml"]
+    train_rows = [r for r in rows(tmp_path / "0") if "loss" in r]
+    assert train_rows[-1]["step"] == 2
+    assert all(r["comm/grad_syncs"] == 1.0 for r in train_rows)  # no_sync over K=2: one sync per step
+    assert (tmp_path / "0" / "model.pt").is_file()
+    # Ranks and world size came from submitit's environment: rank 0 reports 2 ranks, rank 1 is quiet.
+    assert "ddp x2" in submitit_logs(tmp_path, 0)
+    assert "global batch 32 = 2 ranks x 8 micro-batch x 2 accumulation" in submitit_logs(tmp_path, 0)
+    assert "trainkit |" not in submitit_logs(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group(tmp_path):
+    # parallel=auto picks ddp under submitit; the two jobs run at once, each on a port of its own.
+    # The default ${run_stamp:} dir: each task composes its job's config anew, from the launching
+    # process's resolved values, so the jobs land in the sweep dir that holds .submitit/.
+    run_submitit(tmp_path, "trainer.max_steps=2,3", sweep_dir=f"{tmp_path}/${{run_stamp:}}")
+    [sweep] = [p.parent for p in tmp_path.glob("*/*/multirun.yaml")]
+    assert sorted(p.name for p in sweep.parent.iterdir()) == [sweep.name]  # one stamp dir
+    for job, steps in (("0", 2), ("1", 3)):
+        assert rows(sweep / job)[-1]["step"] == steps
+        assert (sweep / job / "model.pt").is_file()
+    assert submitit_logs(sweep, 0).count("ddp x2") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_dir", ["given", "stamped"])
+def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path, run_dir):
+    # "stamped": the default ${run_stamp:} dir, agreed through the agents' shared store.
+    base = tmp_path / "run" if run_dir == "given" else f"{tmp_path}/${{run_stamp:}}"
+    port, rdzv_id = _free_port(), uuid.uuid4().hex
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", f"--rdzv-id={rdzv_id}"),
+        *(str(ROOT / "src/train.py"), f"hydra.run.dir={base}", "parallel=ddp", "parallel.timeout_s=60", *TINY),
+    ]
+    agents = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=180)[0] for agent in agents]
+    finally:
+        for agent in agents:  # a hung agent and its worker: end the whole session
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    run_dirs = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
+    assert len(run_dirs) == 1, run_dirs  # both nodes in one dir
+    assert rows(run_dirs[0])[-1]["step"] == 2
+    assert (run_dirs[0] / "model.pt").is_file()
+    assert "ddp x2" in "".join(outputs)

@@ -25,6 +25,7 @@ from trainkit.guard import StepGuard
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
+from trainkit.progress import Progress
 from trainkit.rng import seed_all
 
 
@@ -60,10 +61,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         d,
         cfg.parallel.sync_bn,
         precision=cfg.trainer.precision,
-        shard_units=cfg.parallel.get("shard_units"),
-        reshard_after_forward=cfg.parallel.get("reshard_after_forward", True),
-        bucket_cap_mb=cfg.parallel.get("bucket_cap_mb"),
-        comm_hook=cfg.parallel.get("comm_hook", "none"),
+        shard_units=cfg.parallel.shard_units,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+        comm_hook=cfg.parallel.comm_hook,
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
@@ -117,7 +118,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     step, val = start["step"], {}
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
-    with make_logger(run_dir, cfg, d.is_main, resumed) as logger:
+    with make_logger(run_dir, cfg, d.is_main, resumed) as logger, Progress(d.is_main, total_steps, step) as console:
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             batches = loader.epoch(epoch, start=first_window * K)  # set_epoch: a new permutation per epoch
@@ -162,18 +163,20 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
+                console.step()
 
                 row: dict[str, float] = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:
                     row |= meter.row() | {"lr": lr}
-                    d.print0(
+                    console.row(row["loss"], lr, row["samples_per_s"])
+                    console.print(
                         f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
                         f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
                     )
                 with meter.paused():
                     if (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set):
                         row |= (val := evaluate(unwrap(model), val_loader, d, autocast, task))
-                        d.print0(
+                        console.print(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
                             f"val acc {val['val/acc']:.4f}"
                         )
@@ -210,17 +213,20 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         config.check(cfg)
         hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig at run time
         job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
-        val_acc = train(cfg, d, mode, Path(HydraConfig.get().runtime.output_dir))
+        val_acc = train(cfg, d, mode, run_dir)
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc
     except Exception as error:  # known failures: one line from rank 0, no traceback
         if (known := config.user_error(error)) is not None:
+            if isinstance(known, ConfigError) and dist.env_rank() == 0:
+                config.remove_if_empty(run_dir)
             dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
         if dist.lost_peer(error):
             dist.fail(
@@ -234,4 +240,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    config.run_cli(main)

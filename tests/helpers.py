@@ -172,6 +172,9 @@ class LeastSquares:
 
     items_name, eval_width = None, 3  # items are samples
 
+    def __init__(self, label_smoothing: float = 0.0):  # task=classification's keys (its schema)
+        assert label_smoothing == 0
+
     def loss_sum(self, output, target):
         return 0.5 * (output.squeeze(-1) - target).pow(2).sum()
 
@@ -186,8 +189,10 @@ class LeastSquares:
         return {"val/loss": sums[0] / sums[2]}
 
 
-def regression_splits(samples: int = 21, features: int = 3):
-    """y = X w + b exactly, float64; no validation split."""
+def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0):
+    """y = X w + b exactly, float64; no validation split. (`val_fraction`: data=digits' key, which its
+    schema keeps when _target_ is swapped; only 0 is meaningful here.)"""
+    assert val_fraction == 0
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, features, generator=g, dtype=torch.float64)
     y = x @ torch.linspace(1.0, -2.0, features, dtype=torch.float64) + 0.3
@@ -210,10 +215,10 @@ class TokenMeanPerMicroBatch:
 
     items_name, eval_width = None, 4 + 2 * 9
 
-    def __init__(self):
+    def __init__(self, max_digits: int = 3):  # task=lm's keys (its schema): a swapped _target_ takes them
         from trainkit.tasks import LanguageModel
 
-        self.lm = LanguageModel(max_digits=3)
+        self.lm = LanguageModel(max_digits=max_digits)
 
     def loss_sum(self, output, target):
         return self.lm.loss_sum(output, target) / self.lm.items(target).clamp(min=1) * len(target)
@@ -226,3 +231,13 @@ class TokenMeanPerMicroBatch:
 
     def eval_metrics(self, sums):
         return self.lm.eval_metrics(sums)
+
+
+def warning_mlp(**kwargs) -> nn.Module:
+    """model._target_=helpers.warning_mlp: the mlp, built after a Python warning (on every rank)."""
+    import warnings
+
+    from trainkit.models import mlp
+
+    warnings.warn("helpers.warning_mlp: a warning every rank raises", UserWarning, stacklevel=1)
+    return mlp(**kwargs)

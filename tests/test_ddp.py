@@ -115,7 +115,7 @@ def _regression(rank, world_size, batch_size, steps, run_dir):
             overrides=[
                 "task._target_=helpers.LeastSquares",
                 "data.splits._target_=helpers.regression_splits",
-                "~data.splits.val_fraction",
+                "data.splits.val_fraction=0",
                 "optim=sgd",
                 "optim.lr=0.1",
                 "optim.momentum=0",

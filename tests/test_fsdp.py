@@ -86,8 +86,6 @@ def test_fsdp_needs_torchrun_and_refuses_fp16():
     assert resolve_mode("fsdp", 2, under_torchrun=True) == "fsdp"
     with pytest.raises(ConfigError, match="trainer.precision=fp16 is not supported with parallel=fsdp"):
         config.check(compose_cfg("parallel=fsdp", "trainer.precision=fp16"))
-    with pytest.raises(ConfigError, match="parallel.shard_units=BasicBlock must be null or a list"):
-        config.check(compose_cfg("parallel=fsdp", "parallel.shard_units=BasicBlock"))
     config.check(compose_cfg("parallel=fsdp", "parallel.shard_units=[BasicBlock]"))
 
 

@@ -118,7 +118,6 @@ def test_the_usual_per_micro_batch_mean_is_far_from_it(single_addition, tmp_path
         "accumulation.steps=2",
         "parallel=ddp",
         "task._target_=helpers.TokenMeanPerMicroBatch",
-        "~task.max_digits",
         nproc=2,
     )
     error = max_diff(tmp_path, single_addition)

@@ -37,3 +37,26 @@ def test_wandb_run_offline_with_the_nested_config(tmp_path):
     data = wandb_file.read_bytes()
     for key in (b"accumulation", b"global_batch_size", b"trainer", b"clip_grad_norm", b"val/acc", b"grad_norm"):
         assert key in data, key
+
+
+def _string_field(text: str) -> bytes:
+    """A protobuf string as W&B's run record holds it: its varint length, then its bytes (so
+    "trainer.max_steps=2" is not found inside the command line "trainer.max_steps=2,3")."""
+    data, n, head = text.encode(), len(text.encode()), b""
+    while n >= 0x80:
+        head, n = head + bytes([n & 0x7F | 0x80]), n >> 7
+    return head + bytes([n]) + data
+
+
+@pytest.mark.slow
+def test_a_sweep_gets_one_wandb_run_per_job_grouped_by_the_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_train(tmp_path / "unused", "-m", f"hydra.sweep.dir={sweep}", "logger=wandb", "trainer.max_steps=2,3")
+    for job, steps in enumerate((2, 3)):
+        runs = list((sweep / str(job) / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1  # its own run, finished before the next job's began
+        data = next(runs[0].glob("*.wandb")).read_bytes()
+        assert _string_field(str(sweep)) in data  # group: the sweep
+        # name and job_type: the job's overrides (hydra.job.override_dirname)
+        assert _string_field(f"logger=wandb,trainer.max_steps={steps}") in data
+        assert _string_field(f"logger=wandb,trainer.max_steps={5 - steps}") not in data

@@ -1,12 +1,31 @@
-"""Config checks with one-line errors, and the OmegaConf resolvers the Hydra tree uses."""
+"""Config checks and one-line errors, the OmegaConf resolvers, and the schema Hydra composes with."""
 
+import contextlib
 import datetime
 import functools
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from hydra.errors import InstantiationException
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    InstantiationException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from trainkit import schema
 
 
 class ConfigError(ValueError):
@@ -18,10 +37,20 @@ class RunError(RuntimeError):
 
 
 def user_error(error: BaseException | None) -> ConfigError | RunError | None:
-    """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it."""
+    """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
+    `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too."""
     while error is not None and not isinstance(error, (ConfigError, RunError)):
+        if isinstance(error, InstantiationException) and isinstance(error.__cause__, TypeError):
+            target = str(error).split("'")[1] if "'" in str(error) else "a _target_"
+            return ConfigError(f"{target}: {error.__cause__} (a config node's keys are its _target_'s arguments)")
         error = error.__cause__ if isinstance(error, InstantiationException) else None
     return error
+
+
+def remove_if_empty(directory: Path) -> None:
+    """Hydra makes the run dir before the task starts: a refused run leaves none behind."""
+    with contextlib.suppress(OSError):
+        directory.rmdir()  # only when empty
 
 
 @functools.cache
@@ -51,6 +80,7 @@ def run_stamp() -> str:
 # use_cache: a submitit task re-resolves hydra.sweep.dir in its own process; the cached stamp
 # travels with the pickled config, so every job lands in the launching process's sweep dir.
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
+schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 
 def save(cfg: DictConfig, run_dir: Path) -> None:
@@ -119,6 +149,10 @@ def _non_negative(key: str, value, integer: bool = False) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Reject settings that would fail late or train silently wrong, naming the key."""
+    try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)
+        OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as error:
+        raise ConfigError(f"{error.full_key}: {str(error.msg).splitlines()[0]}") from None
     _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _one_of("accumulation.strategy", cfg.accumulation.strategy, STRATEGIES)
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
@@ -132,13 +166,22 @@ def check(cfg: DictConfig) -> None:
     _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
     _optional_positive_int("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
     _positive("parallel.timeout_s", cfg.parallel.timeout_s)
-    _optional_positive("parallel.bucket_cap_mb", cfg.parallel.get("bucket_cap_mb"))
-    _one_of("parallel.comm_hook", cfg.parallel.get("comm_hook", "none"), COMM_HOOKS)
+    _optional_positive("parallel.bucket_cap_mb", cfg.parallel.bucket_cap_mb)
+    _one_of("parallel.comm_hook", cfg.parallel.comm_hook, COMM_HOOKS)
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     # Values that _target_ constructors would reject with a traceback (or accept silently).
     for key in ("lr", "weight_decay", "momentum"):
         if key in cfg.optim:
             _non_negative(f"optim.{key}", cfg.optim[key])
+    for key in ("width", "n_layer", "n_head", "n_embd"):  # the built-in models' sizes
+        if key in cfg.model:
+            _positive_int(f"model.{key}", cfg.model[key])
+    if "n_head" in cfg.model and "n_embd" in cfg.model and cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"model.n_embd={cfg.model.n_embd} must be a multiple of model.n_head={cfg.model.n_head}")
+    if "depth" in cfg.model:
+        _non_negative("model.depth", cfg.model.depth, integer=True)
+    if "dropout" in cfg.model and not (_is_number(cfg.model.dropout) and 0 <= cfg.model.dropout < 1):
+        raise ConfigError(f"model.dropout={cfg.model.dropout} must be a number in [0, 1)")
     if "warmup_steps" in cfg.sched:
         _non_negative("sched.warmup_steps", cfg.sched.warmup_steps, integer=True)
     if "min_ratio" in cfg.sched and not (_is_number(cfg.sched.min_ratio) and 0 <= cfg.sched.min_ratio <= 1):
@@ -148,13 +191,6 @@ def check(cfg: DictConfig) -> None:
 
 
 def _check_fsdp(cfg: DictConfig) -> None:
-    units = cfg.parallel.get("shard_units")
-    if units is not None and not (isinstance(units, ListConfig) and all(isinstance(u, str) for u in units)):
-        raise ConfigError(
-            f"parallel.shard_units={units} must be null or a list of module class names, e.g. [BasicBlock]"
-        )
-    if not isinstance(cfg.parallel.get("reshard_after_forward", True), bool):
-        raise ConfigError(f"parallel.reshard_after_forward={cfg.parallel.reshard_after_forward} must be true or false")
     if cfg.trainer.precision == "fp16":
         # GradScaler checks each rank's gradient shard for inf/NaN on its own: ranks would
         # disagree on skipping a step. bf16 needs no scaler.
@@ -186,3 +222,60 @@ def flatten(container, prefix: str = "") -> dict:
     for key, value in container.items():
         flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
     return flat
+
+
+def run_cli(main: Callable[[], Any]) -> None:
+    """Call a @hydra.main entry point. A config Hydra cannot compose (a value of the wrong type, an
+    unknown option or key, a malformed override) or a `_target_` called with arguments it does not
+    take ends like config.check's errors: one line on stderr from rank 0, exit status 2.
+    HYDRA_FULL_ERROR=1 shows Hydra's own report with the full traceback instead."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report: we print one line
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as error:
+        message = _one_line(error)
+        if message is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+_WANTED = {  # OmegaConf's type errors -> what the key takes
+    "converted to Integer": "an integer",
+    "converted to Float": "a number",
+    "converted to Boolean": "true or false",
+    "not a valid bool": "true or false",
+    "to string": "a string",
+    "ListConfig, list or tuple": "a list",
+    "is not Optional": "set (not null)",
+}
+
+
+def _one_line(error: BaseException) -> str | None:
+    """The key, the value and what is allowed, from Hydra's and OmegaConf's exceptions."""
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
+        group, _, name = error.missing_cfg_file.rpartition("/")
+        return f"{group}={name} is not one of: {', '.join(error.options)}"
+    if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
+        parent = cause.full_key.rpartition(".")[0] or "the root"
+        keys = list(cause.parent_node.keys()) if isinstance(cause.parent_node, DictConfig) else []
+        return f"{cause.full_key} is not a setting of {parent}; its settings: {', '.join(map(str, keys))}"
+    if isinstance(cause, ValidationError) and cause.full_key:
+        text = str(cause.msg).splitlines()[0]
+        wanted = next((kind for pattern, kind in _WANTED.items() if pattern in text), None)
+        value = _override_text(cause.value)
+        return f"{cause.full_key}={value} must be {wanted}" if wanted else f"{cause.full_key}={value}: {text}"
+    if isinstance(error, ConfigCompositionException | OverrideParseException):
+        return " ".join(str(error).split("\n")[0].split())
+    return None
+
+
+def _override_text(value: Any) -> str:
+    if isinstance(value, list | tuple | ListConfig):
+        return "[" + ",".join(map(_override_text, value)) + "]"
+    return "null" if value is None else str(value)

@@ -10,6 +10,7 @@ import functools
 import os
 import random
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -131,6 +132,8 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, jo
     rank = task.rank if task else int(os.environ.get("RANK", 0))
     local_rank = task.local_rank if task else int(os.environ.get("LOCAL_RANK", 0))
     world_size = task.world_size if task else int(os.environ.get("WORLD_SIZE", 1))
+    if rank != 0:  # Python warnings once, from rank 0, not once per rank
+        warnings.simplefilter("ignore")
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     here = torch.device(device)

@@ -85,13 +85,28 @@ def wandb_mode() -> str:
     return "online" if any("wandb" in host for host in hosts) else "offline"
 
 
+def sweep_identity() -> tuple[str | None, str | None]:
+    """(group, name) of this job's W&B run in a Hydra sweep: the sweep dir groups its jobs, the
+    job's overrides name it (e.g. "accumulation.steps=4"); (None, None) outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None, None
+    hydra = HydraConfig.get()
+    return str(hydra.sweep.dir), hydra.job.override_dirname or f"job {hydra.job.num}"
+
+
 def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
     import wandb
 
+    group, name = sweep_identity()
     return wandb.init(
         project=cfg.logger.project,
         entity=cfg.logger.entity,
-        group=cfg.logger.group,
+        group=cfg.logger.group or group,  # one W&B run per sweep job, grouped by the sweep
+        name=name,
+        job_type=name[:64] if name else None,  # W&B's limit
         tags=list(cfg.logger.tags),
         dir=str(run_dir),
         mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it

@@ -1,0 +1,41 @@
+"""Rank 0's console: a tqdm progress bar on a terminal (step, loss, lr, samples/s), and the periodic
+log lines either way. A batch job's log (stdout not a terminal) gets the lines only, no bar
+redraws; TQDM_DISABLE=1 turns the bar off on a terminal too. Other ranks print nothing."""
+
+import sys
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, is_main: bool, total_steps: int, step: int):
+        self.is_main = is_main
+        on_terminal = is_main and sys.stdout.isatty()
+        self.bar = (
+            tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout)
+            if on_terminal
+            else None
+        )
+
+    def step(self) -> None:
+        """One optimizer step done (no host sync: the bar counts, the numbers come with log rows)."""
+        if self.bar is not None:
+            self.bar.update()
+
+    def row(self, loss: float, lr: float, samples_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:,.0f}")
+
+    def print(self, line: str) -> None:
+        """A log line from rank 0, above the bar."""
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.is_main:
+            print(line, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,264 @@
+"""The config tree's schema, registered in Hydra's ConfigStore: Hydra checks every value's type as it
+composes the config, so `model.width=abc` or a misspelt key is refused before anything runs.
+Ranges and rules between keys are config.check's.
+
+The groups trainkit reads itself (trainer, checkpoint, accumulation, parallel, logger) are typed
+nodes of the root schema. model, optim, sched, task and data are `_target_` nodes whose keys are a
+constructor's arguments: each built-in option names its schema in its yaml
+(`defaults: [/schema/model/mlp@_here_, _self_]`). An option of your own (a yaml without that line)
+may carry any keys; give it a dataclass here to have them checked too.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class Trainer:
+    epochs: int = 20
+    max_steps: int | None = None
+    clip_grad_norm: float | None = 1.0
+    precision: str = "fp32"
+    device: str = "auto"
+    eval_every: int = 200
+    log_every: int = 50
+    on_nonfinite: str = "raise"
+
+
+@dataclass
+class Checkpoint:
+    every: int = 200
+    keep: int = 2
+    resume: str | None = "auto"
+
+
+@dataclass
+class Accumulation:
+    strategy: str = "no_sync"
+    steps: int = 1
+    global_batch_size: int | None = None
+
+
+@dataclass
+class Parallel:
+    mode: str = "auto"
+    backend: str = "auto"
+    timeout_s: float = 600
+    sync_bn: bool = False
+    bucket_cap_mb: float | None = None  # DDP
+    comm_hook: str = "none"  # DDP
+    shard_units: list[str] | None = None  # FSDP
+    reshard_after_forward: bool = True  # FSDP
+
+
+@dataclass
+class Logger:
+    name: str = "none"
+    project: str = "trainkit"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Train:
+    """The root (conf/train.yaml)."""
+
+    seed: int = 0
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+    task: Any = MISSING
+    trainer: Trainer = field(default_factory=Trainer)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    accumulation: Accumulation = field(default_factory=Accumulation)
+    parallel: Parallel = field(default_factory=Parallel)
+    logger: Logger = field(default_factory=Logger)
+
+
+# The built-in options of the _target_ groups. Required arguments: MISSING (the yaml sets them).
+
+
+@dataclass
+class MLP:
+    _target_: str = MISSING
+    in_shape: list[int] = MISSING
+    num_classes: int = MISSING
+    width: int = 128
+    depth: int = 2
+    dropout: float = 0.0
+
+
+@dataclass
+class CNN:
+    _target_: str = MISSING
+    in_channels: int = MISSING
+    num_classes: int = MISSING
+    width: int = 32
+    dropout: float = 0.0
+
+
+@dataclass
+class ResNet18:
+    _target_: str = MISSING
+    in_channels: int = MISSING
+    num_classes: int = MISSING
+    small_input: bool = False
+
+
+@dataclass
+class GPT:
+    _target_: str = MISSING
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+
+@dataclass
+class AdamW:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+
+
+@dataclass
+class SGD:
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class Constant:
+    _target_: str = MISSING
+    _partial_: bool = True
+    warmup_steps: int = 0
+
+
+@dataclass
+class WarmupCosine:
+    _target_: str = MISSING
+    _partial_: bool = True
+    warmup_steps: int = 0
+    min_ratio: float = 0.0
+
+
+@dataclass
+class OneCycle:
+    _target_: str = MISSING
+    _partial_: bool = True
+    pct_start: float = 0.3
+    div_factor: float = 25.0
+    final_div_factor: float = 1.0e4
+
+
+@dataclass
+class Classification:
+    _target_: str = MISSING
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class LanguageModel:
+    _target_: str = MISSING
+    max_digits: int | None = None
+
+
+@dataclass
+class Data:
+    """The keys train.py reads from every data set; `splits` builds its (train, val) datasets."""
+
+    name: str = MISSING
+    splits: Any = MISSING
+    shape: list[int] | None = None  # one sample's input shape (classification)
+    num_classes: int | None = None
+    batch_size: int = MISSING  # per-device micro-batch
+    drop_last: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class DigitsSplits:
+    _target_: str = MISSING
+    val_fraction: float = 0.2
+
+
+@dataclass
+class Digits(Data):
+    splits: DigitsSplits = field(default_factory=DigitsSplits)
+
+
+@dataclass
+class FakeSplits:
+    _target_: str = MISSING
+    train_size: int = MISSING
+    val_size: int = MISSING
+    shape: list[int] = MISSING
+    num_classes: int = MISSING
+
+
+@dataclass
+class Fake(Data):
+    splits: FakeSplits = field(default_factory=FakeSplits)
+
+
+@dataclass
+class TorchvisionSplits:
+    _target_: str = MISSING
+    name: str = MISSING
+    root: str = MISSING
+    download: bool = False
+    augment: bool = False
+
+
+@dataclass
+class Torchvision(Data):
+    splits: TorchvisionSplits = field(default_factory=TorchvisionSplits)
+    root: str = MISSING
+    download: bool = False
+    augment: bool = False  # random training augmentation (CIFAR-10: crop + flip)
+
+
+@dataclass
+class AdditionSplits:
+    _target_: str = MISSING
+    max_digits: int = MISSING
+    num_train: int = MISSING
+    num_val: int = MISSING
+
+
+@dataclass
+class Addition(Data):
+    splits: AdditionSplits = field(default_factory=AdditionSplits)
+    max_digits: int = 3
+    num_train: int = 20000
+    num_val: int = 1800
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=Train)
+    options: dict[str, dict[str, type]] = {
+        "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
+        "optim": {"adamw": AdamW, "sgd": SGD},
+        "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
+        "task": {"classification": Classification, "lm": LanguageModel},
+        "data": {"digits": Digits, "fake": Fake, "torchvision": Torchvision, "addition": Addition},
+    }
+    for group, nodes in options.items():
+        for name, node in nodes.items():
+            store.store(group=f"schema/{group}", name=name, node=node)

@@ -18,12 +18,23 @@ gradient_as_bucket_view=True). On CUDA, the last column is torch.cuda.max_memory
 the whole step, which counts all of those.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--model resnet18|mlp] [--world-size 2] [--steps 2]
+
+`--activation-checkpointing` measures model.activation_checkpointing instead, in one process: the
+peak memory of one training forward + backward with and without it (gpt with activations that
+dominate its parameters; resnet18, CIFAR stem, 32x32, batch 64), and the time of a whole step
+(forward, backward, AdamW). Peak: on CUDA torch.cuda.max_memory_allocated; on CPU, where torch has
+no allocator statistics (and tracemalloc does not see its allocations), the running sum of the
+allocations and frees torch's profiler records (profile_memory=True). Both: above what was
+allocated before the forward (the parameters), so activations, gradients and temporaries.
+
+    python scripts/bench_memory.py --activation-checkpointing
 """
 
 import argparse
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +47,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from trainkit.accumulate import sync_context, syncs_now  # noqa: E402
 from trainkit.dist import Dist  # noqa: E402
-from trainkit.models import mlp, resnet18  # noqa: E402
+from trainkit.models import gpt, mlp, resnet18  # noqa: E402
 from trainkit.parallel import wrap  # noqa: E402
 
 RUNS = [
@@ -173,6 +184,92 @@ def report(per_rank: list[list[dict]], args, device) -> None:
         print(f"| {row['name']:<22} | " + " | ".join(cells) + " |")
 
 
+# --- activation checkpointing -------------------------------------------------------------------
+
+
+def checkpointing_model(name: str, checkpointing: bool):
+    """The model, a batch and the loss: gpt sized so that activations dominate (8 Blocks of width
+    128 on 8 x 256 tokens: ~30x its parameters' bytes), resnet18 as on CIFAR-10."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "gpt":
+        model = gpt(16, 256, n_layer=8, n_head=4, n_embd=128, activation_checkpointing=checkpointing)
+        x, y = torch.randint(0, 16, (8, 256), generator=g), torch.randint(0, 16, (8, 256), generator=g)
+    else:
+        model = resnet18(3, 10, small_input=True, activation_checkpointing=checkpointing)
+        x, y = torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)
+    return model, x, y
+
+
+def forward_backward(model, x, y) -> None:
+    out = model(x)
+    F.cross_entropy(out.flatten(0, -2), y.flatten()).backward()
+
+
+def peak_bytes(model, x, y, device) -> int:
+    """Peak allocation of one forward + backward above the allocation before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated(device)
+        forward_backward(model, x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        forward_backward(model, x, y)
+    # Every allocation and free (also those inside an op), in time order; kineto_results is the
+    # profiler's raw record (what its memory timeline reads), FunctionEvents only keep net sums per op.
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
+
+
+def checkpointing_table(args) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for name in ("gpt", "resnet18"):
+        for checkpointing in (False, True):
+            model, x, y = checkpointing_model(name, checkpointing)
+            model, x, y = model.to(device), x.to(device), y.to(device)
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            peak = peak_bytes(model, x, y, device)  # also the warm-up; no .grad yet, no AdamW state
+            optimizer.step()  # AdamW's state exists before the timed steps
+            optimizer.zero_grad(set_to_none=True)
+            times = []
+            for _ in range(args.timed_steps):
+                sync()
+                start = time.perf_counter()
+                forward_backward(model, x, y)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync()
+                times.append(time.perf_counter() - start)
+            rows.append((name, checkpointing, params, peak, min(times)))  # min: the least disturbed run
+    what = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch.profiler's CPU allocations"
+    print(
+        f"activation checkpointing on {device.type} ({torch.get_num_threads()} threads): peak of one forward + "
+        f"backward above the parameters ({what}); step time: forward + backward + AdamW, "
+        f"the fastest of {args.timed_steps}"
+    )
+    print("| model    | checkpointing | parameters MiB | peak MiB | peak saved | step s | step time |")
+    print("|----------|---------------|----------------|----------|------------|--------|-----------|")
+    for name, checkpointing, params, peak, seconds in rows:
+        base = next(r for r in rows if r[0] == name and not r[1])
+        saved = f"{1 - peak / base[3]:.0%}" if checkpointing else "-"
+        cost = f"{seconds / base[4]:.2f}x" if checkpointing else "1.00x"
+        print(
+            f"| {name:<8} | {'on' if checkpointing else 'off':<13} | {params / 2**20:14.1f} | {peak / 2**20:8.1f} "
+            f"| {saved:>10} | {seconds:6.2f} | {cost:>9} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["resnet18", "mlp"], default="resnet18")
@@ -180,7 +277,14 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="K micro-batches per optimizer step (>= 2)")
     parser.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="measure model.activation_checkpointing instead"
+    )
+    parser.add_argument("--timed-steps", type=int, default=2, help="--activation-checkpointing: steps timed")
     args = parser.parse_args()
+    if args.activation_checkpointing:
+        checkpointing_table(args)
+        return
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the mid-window measurement is after K-1 micro-steps)")
     with socket.socket() as s:

@@ -1,10 +1,14 @@
 """Models, built by Hydra from conf/model/*.yaml (`_target_`)."""
 
 import math
+from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 
 def mlp(in_shape, num_classes: int, width: int = 128, depth: int = 2, dropout: float = 0.0) -> nn.Module:
@@ -18,28 +22,40 @@ def mlp(in_shape, num_classes: int, width: int = 128, depth: int = 2, dropout: f
     return nn.Sequential(*layers)
 
 
-def cnn(in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0) -> nn.Module:
-    """Three conv-BatchNorm-ReLU layers and a linear head: the small model with BatchNorm."""
+def cnn(
+    in_channels: int, num_classes: int, width: int = 32, dropout: float = 0.0, activation_checkpointing: bool = False
+) -> nn.Module:
+    """Three conv-BatchNorm-ReLU layers and a linear head: the small model with BatchNorm.
+    `activation_checkpointing`: each conv-BatchNorm-ReLU stage is a checkpointed segment."""
 
     def stage(cin, cout):
         return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
-    return nn.Sequential(
-        *stage(in_channels, width),
-        *stage(width, width),
+    stages = [stage(in_channels, width), stage(width, width), stage(width, 2 * width)]
+    layers = [
+        *stages[0],
+        *stages[1],
         nn.MaxPool2d(2),
-        *stage(width, 2 * width),
+        *stages[2],
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Dropout(dropout),
         nn.Linear(2 * width, num_classes),
-    )
+    ]
+    if not activation_checkpointing:
+        return nn.Sequential(*layers)
+    starts = [next(i for i, layer in enumerate(layers) if layer is s[0]) for s in stages]
+    return Staged(*layers, stages=[(start, start + len(s)) for start, s in zip(starts, stages, strict=True)])
 
 
-def resnet18(in_channels: int, num_classes: int, small_input: bool = False) -> nn.Module:
+def resnet18(
+    in_channels: int, num_classes: int, small_input: bool = False, activation_checkpointing: bool = False
+) -> nn.Module:
     """torchvision's ResNet-18 (random init; weights would need a download). `small_input`: the
     CIFAR stem, a 3x3 stride-1 conv and no max-pool; the ImageNet stem (7x7 stride 2, max-pool)
-    would shrink a 32x32 image to 8x8 before the first block."""
+    would shrink a 32x32 image to 8x8 before the first block. `activation_checkpointing`: each of
+    layer1..layer4 is a checkpointed segment (a Staged with the same children, so the same
+    parameter names)."""
     from torchvision.models import resnet18 as tv_resnet18
 
     model = tv_resnet18(num_classes=num_classes)
@@ -48,6 +64,9 @@ def resnet18(in_channels: int, num_classes: int, small_input: bool = False) -> n
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    if activation_checkpointing:
+        for name in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(model, name, Staged(*getattr(model, name)))
     return model
 
 
@@ -88,9 +107,10 @@ class GPT(nn.Module):
         n_head: int = 4,
         n_embd: int = 64,
         dropout: float = 0.0,
+        activation_checkpointing: bool = False,
     ):
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.activation_checkpointing = block_size, activation_checkpointing
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
@@ -105,8 +125,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(positions))
+        checkpointing = self.activation_checkpointing and recomputing_pays(self)
         for block in self.blocks:
-            x = block(x)
+            x = checkpointed([block], x) if checkpointing else block(x)
         return self.lm_head(self.ln_f(x))
 
 
@@ -118,6 +139,90 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def gpt(
-    vocab_size: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 64, dropout: float = 0.0
+    vocab_size: int,
+    block_size: int,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_embd: int = 64,
+    dropout: float = 0.0,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
-    return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
+    """`activation_checkpointing`: each Block is a checkpointed segment."""
+    return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, activation_checkpointing)
+
+
+# --- activation checkpointing (model.activation_checkpointing) ----------------------------------
+#
+# A checkpointed segment keeps only its input in forward and reruns its forward in backward to
+# rebuild the activations its backward needs: less memory, one more forward per segment.
+#
+# Built into the models' forward (torch.utils.checkpoint, the way torch's own FSDP2 tests compose
+# it), so it is in place before train.py's wrap(): single, DDP and FSDP2 alike, nothing in
+# parallel.py depends on it. With FSDP2 a unit's hooks may run inside the segment (GPT's Block,
+# resnet18's BasicBlock as units): in the backward recomputation FSDP2 skips its pre-forward
+# all-gather and post-forward reshard (its PRE_BACKWARD state: the pre-backward hook has
+# unsharded the unit already). Non-reentrant (use_reentrant=False): torch's recommendation, the
+# variant FSDP2 and DDP support; it also stops recomputing once the tensors backward needs exist.
+
+
+def recomputing_pays(module: nn.Module) -> bool:
+    """Checkpoint only a training forward that builds a graph: eval and inference (no_grad) have no
+    backward to save activations for, so they run each segment once."""
+    return module.training and torch.is_grad_enabled()
+
+
+def checkpointed(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """`layers` applied in turn to x, as one checkpointed segment. preserve_rng_state (the default)
+    replays the RNG state of the forward in the recomputation: the same dropout masks."""
+    return checkpoint(
+        _apply, layers, x, use_reentrant=False, context_fn=lambda: (nullcontext(), _KeepBatchNormStats(layers))
+    )
+
+
+def _apply(layers: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class _KeepBatchNormStats:
+    """The recomputation's context: BatchNorm normalises with the batch statistics again (training
+    mode) and its kernel updates the running statistics in place, a second time: put them (and
+    num_batches_tracked) back as the forward left them. (Turning tracking off instead would change
+    what batch_norm saves for backward, which checkpoint refuses.) A class, not a generator: a
+    second backward through a retained graph recomputes, and enters it, again."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers = layers
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        norms = [m for layer in self.layers for m in layer.modules() if isinstance(m, _BatchNorm)]
+        self.saved = [(b, b.clone()) for m in norms for b in m.buffers(recurse=False)]
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
+        self.saved = []
+
+
+class Staged(nn.Sequential):
+    """An nn.Sequential whose `stages`, (start, stop) ranges of its layers, each run as one
+    checkpointed segment in a training forward; by default all its layers are one segment. Its
+    layers keep nn.Sequential's names (0, 1, ...): the state_dict is the same with and without
+    checkpointing."""
+
+    def __init__(self, *layers: nn.Module, stages: Sequence[tuple[int, int]] | None = None):
+        super().__init__(*layers)
+        self.stages = list(stages) if stages is not None else [(0, len(layers))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not recomputing_pays(self):
+            return super().forward(x)
+        layers, done = list(self), 0
+        for start, stop in self.stages:
+            x = _apply(layers[done:start], x)
+            x = checkpointed(layers[start:stop], x)
+            done = stop
+        return _apply(layers[done:], x)

@@ -100,6 +100,7 @@ class CNN:
     num_classes: int = MISSING
     width: int = 32
     dropout: float = 0.0
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -108,6 +109,7 @@ class ResNet18:
     in_channels: int = MISSING
     num_classes: int = MISSING
     small_input: bool = False
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -119,6 +121,7 @@ class GPT:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""The benchmark scripts run end to end (--quick) and count what they claim to count; no timing
+assertions (the numbers of a quick run mean nothing)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+
+@pytest.mark.slow
+def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
+    out = tmp_path / "bench.json"
+    models = ["mlp", "gpt"]  # resnet18 runs the same code, only slower
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_accumulation.py", "--quick", "--models", *models, "--out", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    K = result["settings"]["K"]
+    assert K > 1
+    # Per optimizer step: plain DDP syncs every micro-batch; no_sync() around backward only still
+    # syncs every micro-batch (DDP armed its reducer in forward); around forward and backward once.
+    expected = {"baseline": K, "no_sync_backward_only": K, "no_sync": 1, "trainkit": 1}
+    for model in models:
+        summary = result["summary"][model]
+        assert set(summary) == set(expected)
+        for variant, syncs in expected.items():
+            assert summary[variant]["syncs_per_step"] == syncs, (model, variant, summary[variant])
+            assert summary[variant]["median"] > 0
+        assert f"| {model} |" in proc.stdout
+    rows = result["rows"]
+    assert {(r["model"], r["variant"]) for r in rows} == {(m, v) for m in models for v in expected} | {
+        ("mlp", "one_process")
+    }
+    assert all(r["s_per_micro_batch"] > 0 for r in rows)
+    assert all(r["syncs_per_step"] == 0 for r in rows if r["variant"] == "one_process")
+    assert all(e["scaling_efficiency"] > 0 for e in result["summary"]["mlp"].values())
+    assert "scaling efficiency, mlp" in proc.stdout

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import dist  # noqa: E402
+from trainkit import dist, schedules  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     train_set, _ = instantiate(cfg.data.splits)
     model = instantiate(cfg.model).to(d.device)
     optimizer = instantiate(cfg.optim)(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
     loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, num_workers=cfg.data.num_workers)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     max_norm = cfg.trainer.clip_grad_norm or math.inf

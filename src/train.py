@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist
+from trainkit import config, dist, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
 from trainkit.config import ConfigError
@@ -41,7 +41,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
     K = config.accumulation_steps(cfg, d.world_size)
     layout = EpochLayout(len(train_set), d.world_size, cfg.data.batch_size, K)
-    loader = TrainLoader(train_set, d, cfg.data.batch_size, cfg.data.num_workers, cfg.seed, layout.micro_batches)
+    loader = TrainLoader(
+        train_set,
+        d,
+        cfg.data.batch_size,
+        cfg.data.num_workers,
+        cfg.seed,
+        layout.micro_batches,
+        cfg.data.get("pin_memory", True),  # .get: a data set's own yaml without the schema may leave them out
+        cfg.data.get("prefetch_factor"),
+    )
     val_loader: Iterable = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
     if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
         val_loader = EqualBatches(val_loader, d.world_size)
@@ -69,7 +78,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, instantiate(cfg.sched, total_steps=total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision
     autocast = autocast_for(precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
@@ -88,6 +97,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
     }
+    identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
     settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
     start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
@@ -129,7 +139,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 # One optimizer step: the global window of up to K micro-batches per rank, fetched
                 # first, so its number of loss-bearing items (samples; tokens for a sequence task)
                 # is known before the first backward.
-                micro = [next(batches) for _ in range(layout.micro_steps(window))]
+                with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
+                    micro = [next(batches) for _ in range(layout.micro_steps(window))]
                 samples = layout.window_samples(window)
                 items: int | torch.Tensor = samples
                 if task.items_name:  # counted in the data: one all-reduce of a number per step
@@ -151,9 +162,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor over the gradient shards
                 lr = scheduler.get_last_lr()[0]
-                # All ranks decide together (one all-reduce, one host sync per step): a rank
-                # skipping alone would hang the others.
-                outcome = guard.decide(meter.window_loss, grad_norm, step + 1)  # on_nonfinite=raise: raises
+                # All ranks decide together: a rank skipping alone would hang the others. Only skip
+                # and fp16 need it before the step (a host sync); raise checks per row (guard.check).
+                outcome = guard.decide(meter.window_loss, grad_norm, step + 1)
                 if outcome == "step":
                     scaler.step(optimizer)
                     scaler.update()
@@ -167,6 +178,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
                 row: dict[str, float] = {}
                 if step % cfg.trainer.log_every == 0 or step == total_steps:
+                    guard.check(meter, step)  # on_nonfinite=raise: no row holds a non-finite step
                     row |= meter.row() | {"lr": lr}
                     console.row(row["loss"], lr, row["samples_per_s"])
                     console.print(
@@ -183,6 +195,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
                     if checkpointer.due(step, total_steps):
+                        guard.check(meter, step)  # nor a checkpoint
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         checkpointer.save(

@@ -49,6 +49,13 @@ def run_distributed(fn, world_size: int = 2, *args):
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings: never equal between runs
+
+
+def without_timings(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMINGS}
+
+
 def _env():
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT / "tests")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, assert_equal, run_train
+from helpers import ROOT, assert_equal, run_train, without_timings
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
 from trainkit.config import ConfigError
@@ -50,7 +50,7 @@ def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
 
 def rows(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k != "samples_per_s"} for line in lines]
+    return [without_timings(json.loads(line)) for line in lines]
 
 
 def assert_same_run(a: Path, b: Path):
@@ -150,12 +150,30 @@ def test_auto_without_checkpoint_starts_fresh_and_keep_must_be_positive(tmp_path
         Checkpointer(tmp_path, every=0, keep=1, d=CPU).load(str(tmp_path / "missing.pt"))
 
 
-NAN = ["model=cnn", "model.width=8", "trainer.max_steps=8", "trainer.log_every=1", "checkpoint.every=2"]
+TINY_CNN = ["model=cnn", "model.width=8", "trainer.max_steps=8"]
+NAN = [*TINY_CNN, "trainer.log_every=1", "checkpoint.every=2"]
 
 
 @pytest.mark.slow
-def test_nan_on_one_rank_raise_stops_every_rank_before_stepping(tmp_path):
-    proc = run_train(tmp_path, *NAN, *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, check=False, timeout=180)
+@pytest.mark.parametrize(
+    "log_every,checkpoint_every,left",
+    [(1, 2, ["step_00000002.pt", "step_00000004.pt"]), (8, 1, ["step_00000003.pt", "step_00000004.pt"])],
+)
+def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds_it(
+    tmp_path, log_every, checkpoint_every, left
+):
+    # on_nonfinite=raise checks no step on its own (no host sync per step): before each log row
+    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step).
+    proc = run_train(
+        tmp_path,
+        *TINY_CNN,
+        f"trainer.log_every={log_every}",
+        f"checkpoint.every={checkpoint_every}",
+        *faulty("nan", 5, 1, tmp_path / "m"),
+        nproc=2,
+        check=False,
+        timeout=180,
+    )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
@@ -164,7 +182,9 @@ def test_nan_on_one_rank_raise_stops_every_rank_before_stepping(tmp_path):
     assert not (tmp_path / "model.pt").exists()
     last = torch.load(tmp_path / "checkpoints" / "step_00000004.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in last["model"].values())
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002.pt", "step_00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == left
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) and r["step"] <= 4 for r in rows if "loss" in r)
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def test_each_epoch_trains_another_order(tmp_path):
     assert totals[0] == pytest.approx(totals[1], rel=1e-6)
 
 
-def test_loading_a_batch_in_the_main_process_leaves_the_training_rng_alone():
+def test_what_a_batch_draws_and_the_cpu_rng_after_it_depend_on_the_batch_alone():
     from torch.utils.data import Dataset
 
     from trainkit.data import TrainLoader
@@ -177,11 +177,14 @@ def test_loading_a_batch_in_the_main_process_leaves_the_training_rng_alone():
         def __getitem__(self, i):
             return torch.rand(1)
 
+    # In the main process too (num_workers=0): the batch's seed, not the training RNG's state,
+    # decides, so a resumed run loads the same batches; training's CPU draws go on from it.
     loader = TrainLoader(Draws(), CPU, 4, 0, 0, 3)
-    before = torch.get_rng_state()
-    first = torch.cat(list(loader.epoch(0)))
-    assert torch.equal(torch.get_rng_state(), before)
-    assert torch.equal(torch.cat(list(loader.epoch(0))), first)  # a batch's draws depend on the batch alone
+    torch.manual_seed(1)
+    first, after = torch.cat(list(loader.epoch(0))), torch.get_rng_state()
+    torch.manual_seed(2)
+    assert torch.equal(torch.cat(list(loader.epoch(0))), first)
+    assert torch.equal(torch.get_rng_state(), after)
     assert not torch.equal(torch.cat(list(loader.epoch(1))), first)
 
 

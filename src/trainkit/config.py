@@ -169,6 +169,7 @@ def check(cfg: DictConfig) -> None:
     _optional_positive("parallel.bucket_cap_mb", cfg.parallel.bucket_cap_mb)
     _one_of("parallel.comm_hook", cfg.parallel.comm_hook, COMM_HOOKS)
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
+    _optional_positive_int("data.prefetch_factor", cfg.data.get("prefetch_factor"))
     # Values that _target_ constructors would reject with a traceback (or accept silently).
     for key in ("lr", "weight_decay", "momentum"):
         if key in cfg.optim:

@@ -135,6 +135,7 @@ class TrainMeter:
         self.norm_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
         self.row_items = torch.zeros((), dtype=torch.float64, device=self.d.device)
         self.steps = self.row_skipped = self.row_samples = 0
+        self.data_wait = 0.0
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
         self.started = time.perf_counter()
 
@@ -151,6 +152,15 @@ class TrainMeter:
             yield
         finally:
             self.started += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def waiting_for_data(self):
+        """Time in the body is the loop waiting on the loader (time/data_wait: its share of the row's time)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.data_wait += time.perf_counter() - started
 
     def add_micro_step(self, loss_sum: torch.Tensor) -> None:
         """loss_sum: this rank's summed loss of one micro-batch's items."""
@@ -171,6 +181,11 @@ class TrainMeter:
             self.norm_sum += grad_norm.detach()
             self.row_items += items
         self.window_loss.zero_()
+
+    def finite(self) -> bool:
+        """Are the sums since the last row finite on every rank? (One all-reduce, a host sync.)"""
+        ok = torch.isfinite(self.loss_sum) & torch.isfinite(self.norm_sum)
+        return not self.d.any(~ok)
 
     def state_dict(self) -> dict:
         """The sums since the last row, so a resumed run logs the same rows."""
@@ -207,6 +222,7 @@ class TrainMeter:
             "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
             "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
             "samples_per_s": self.row_samples / elapsed,
+            "time/data_wait": self.data_wait / elapsed,
             "skipped_steps": self.skipped,
         }
         self._reset()

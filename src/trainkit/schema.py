@@ -189,6 +189,8 @@ class Data:
     batch_size: int = MISSING  # per-device micro-batch
     drop_last: bool = False
     num_workers: int = 0
+    pin_memory: bool = True  # with CUDA: page-locked batches, copied to the GPU asynchronously
+    prefetch_factor: int | None = None  # with workers: batches loaded ahead per worker (null: torch's 2)
 
 
 @dataclass

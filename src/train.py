@@ -74,6 +74,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         reshard_after_forward=cfg.parallel.reshard_after_forward,
         bucket_cap_mb=cfg.parallel.bucket_cap_mb,
         comm_hook=cfg.parallel.comm_hook,
+        static_graph=cfg.parallel.static_graph,
+        reduce_dtype=cfg.parallel.reduce_dtype,
+        compile=cfg.trainer.compile,
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = instantiate(cfg.optim)(model.parameters())
@@ -243,7 +246,7 @@ def main(cfg: DictConfig) -> float | None:
             dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
         if dist.lost_peer(error):
             dist.fail(
-                f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s}): "
+                f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s:g}): "
                 f"{str(error).strip().splitlines()[0][:300]}",
                 1,
             )

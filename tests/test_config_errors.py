@@ -48,6 +48,12 @@ CATALOGUE = [
     (["data=fake", "model=gpt"], "model.vocab_size: Interpolation key 'data.vocab_size' not found"),
     (["checkpoint.resume=/nonexistent/ckpt.pt"], "checkpoint.resume=/nonexistent/ckpt.pt: no such checkpoint"),
     (["parallel=ddp"], "parallel=ddp needs torchrun"),
+    (
+        ["parallel.static_graph=true", "accumulation.steps=2"],
+        "parallel.static_graph=true with no_sync accumulation (K=2)",
+    ),
+    (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype=fp8 is not one of: fp32, bf16"),
+    (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be null or a positive integer"),
     (["model.width=["], "no viable alternative at input '['"),
 ]
 

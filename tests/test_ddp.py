@@ -73,6 +73,21 @@ def _accounting(rank, world_size):
             syncs=comm.syncs, bytes=comm.bytes, grads=_grads(model), same=_same_on_all_ranks(_grads(model))
         )
 
+    # parallel.static_graph (syncing every micro-batch: torch's no_sync + static graph is broken):
+    # the same gradients, the same syncs.
+    for static in (False, True):
+        torch.manual_seed(0)
+        model, comm = wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), "ddp", d, static_graph=static)
+        for step in range(3):
+            for k in range(2):
+                with sync_context(model, syncs_now("sync_each_batch", k, 2)):
+                    model(
+                        torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + k + rank))
+                    ).sum().backward()
+            grads = _grads(model)
+            model.zero_grad()
+        out[f"static_{static}"] = dict(syncs=comm.syncs, grads=grads, static=model.static_graph)
+
     # The classic pitfall: forward outside no_sync(), only backward inside. It still syncs.
     torch.manual_seed(0)
     model, comm = wrap(nn.Linear(4, 1), "ddp", d)
@@ -102,6 +117,9 @@ def test_one_sync_per_optimizer_step_with_no_sync_and_k_with_sync_each_batch():
             assert 0 < (compressed["grads"] - full["grads"]).abs().max() <= tolerance, hook
         buckets = result["buckets"]  # DDP rebuilds its buckets after the first step: 3 from then on
         assert buckets["buckets"] == 3 and buckets["syncs"] == 3 and buckets["bytes"] == 3 * buckets["param_bytes"]
+        static, dynamic = result["static_True"], result["static_False"]
+        assert static["static"] and not dynamic["static"] and static["syncs"] == dynamic["syncs"] == 6
+        assert torch.equal(static["grads"], dynamic["grads"])
         # no_sync() around backward alone does not stop the all-reduce: DDP armed it in forward.
         assert result["backward_only"] == {"syncs": 1, "same": True}
 

@@ -201,6 +201,21 @@ def test_throughput_counts_training_time_only():
     assert meter.row()["samples_per_s"] > 1000 / 0.25
 
 
+def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader():
+    from trainkit.metrics import TrainMeter
+    from trainkit.parallel import CommStats
+
+    meter = TrainMeter(CPU, CommStats())
+    meter.start_clock()
+    with meter.waiting_for_data():
+        time.sleep(0.3)
+    time.sleep(0.3)  # forward, backward, step
+    meter.add_step(torch.tensor(1.0), samples=10, items=10)
+    assert 0.4 < meter.row()["time/data_wait"] < 0.6
+    meter.add_step(torch.tensor(1.0), samples=10, items=10)
+    assert meter.row()["time/data_wait"] < 0.1  # per row: the next starts from zero
+
+
 def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
     # lr 0 keeps the initial weights, so every logged pre-clip gradient norm can be recomputed
     # here: the mean loss over the window's samples (DistributedSampler's order for epoch 0).

@@ -110,6 +110,7 @@ STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
 COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
+REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (FSDP)
 
 
 def _one_of(key: str, value, allowed) -> None:
@@ -168,6 +169,7 @@ def check(cfg: DictConfig) -> None:
     _positive("parallel.timeout_s", cfg.parallel.timeout_s)
     _optional_positive("parallel.bucket_cap_mb", cfg.parallel.bucket_cap_mb)
     _one_of("parallel.comm_hook", cfg.parallel.comm_hook, COMM_HOOKS)
+    _one_of("parallel.reduce_dtype", cfg.parallel.reduce_dtype, REDUCE_DTYPES)
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     _optional_positive_int("data.prefetch_factor", cfg.data.get("prefetch_factor"))
     # Values that _target_ constructors would reject with a traceback (or accept silently).
@@ -204,15 +206,22 @@ def _check_fsdp(cfg: DictConfig) -> None:
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
     """K, from accumulation.steps or derived from accumulation.global_batch_size."""
     global_batch = cfg.accumulation.global_batch_size
-    if global_batch is None:
-        return cfg.accumulation.steps
-    per_step = cfg.data.batch_size * world_size
-    if global_batch % per_step:
+    K = cfg.accumulation.steps
+    if global_batch is not None:
+        per_step = cfg.data.batch_size * world_size
+        if global_batch % per_step:
+            raise ConfigError(
+                f"accumulation.global_batch_size={global_batch} is not a multiple of "
+                f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}"
+            )
+        K = global_batch // per_step
+    if K > 1 and cfg.accumulation.strategy == "no_sync" and cfg.parallel.get("static_graph", False):
         raise ConfigError(
-            f"accumulation.global_batch_size={global_batch} is not a multiple of "
-            f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}"
+            f"parallel.static_graph=true with no_sync accumulation (K={K}) hits a torch bug: DDP asserts in the "
+            "first no_sync backward (pytorch/pytorch#143580) and, patched, stops syncing (#187732); use K=1 or "
+            "accumulation=sync_each_batch"
         )
-    return global_batch // per_step
+    return K
 
 
 def flatten(container, prefix: str = "") -> dict:

@@ -64,6 +64,9 @@ def _counting(state: tuple, bucket: torch.distributed.GradBucket):
     return hook(None, bucket)  # None: the default group
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype (FSDP)
+
+
 def wrap(
     model: nn.Module,
     mode: str,
@@ -75,16 +78,25 @@ def wrap(
     reshard_after_forward: bool = True,
     bucket_cap_mb: float | None = None,
     comm_hook: str = "none",
+    static_graph: bool = False,
+    reduce_dtype: str = "fp32",
+    compile: bool = False,
 ) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
     for `mode`; returns the counters of its gradient syncs. DDP only: `bucket_cap_mb` (None:
-    torch's default, 25) and `comm_hook` (none, or fp16/bf16 compression). FSDP only:
-    `shard_units`, `reshard_after_forward`, and `precision` (bf16 on CUDA: a bf16
-    MixedPrecisionPolicy)."""
+    torch's default, 25), `comm_hook` (none, or fp16/bf16 compression) and `static_graph` (the
+    same parameters get gradients every step: DDP skips searching the graph for unused ones).
+    FSDP only: `shard_units`, `reshard_after_forward`, `reduce_dtype` (fp32 or bf16: the dtype
+    gradients are reduce-scattered in) and `precision` (bf16 on CUDA: bf16 parameters in
+    forward and backward). `compile`: torch.compile in place before wrapping (the state_dict keeps
+    its names), the whole model; under FSDP each shard unit's forward, per unit as torchtitan does
+    (FSDP2's hooks disable dynamo: a module compiled with its hooks ran eager, torch 2.14.1)."""
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
         model, sync_bn = _sync_batchnorm(model, d)
+    if compile and mode != "fsdp":
+        model.compile()
     if mode == "ddp":
         # With SyncBN the running statistics are identical on every rank already: DDP's
         # broadcast of rank 0's buffers before every forward would only cost time.
@@ -95,18 +107,20 @@ def wrap(
             forward_sync_buffers=not sync_bn,
             gradient_as_bucket_view=True,
             bucket_cap_mb=bucket_cap_mb,  # None: torch's default (25 MiB)
+            static_graph=static_graph,
         )
         model.register_comm_hook((stats, *_HOOKS[comm_hook]), _counting)
     elif mode == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         # bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and keep the
         # sharded parameters the optimizer steps in fp32. Elsewhere autocast alone (train.py).
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if precision == "bf16" and d.device.type == "cuda"
-            else MixedPrecisionPolicy()
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if precision == "bf16" and d.device.type == "cuda" else None,
+            reduce_dtype=REDUCE_DTYPES[reduce_dtype],
         )
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
+            if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
+                unit.forward = torch.compile(unit.forward)
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size)

@@ -26,6 +26,7 @@ class Trainer:
     eval_every: int = 200
     log_every: int = 50
     on_nonfinite: str = "raise"
+    compile: bool = False
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Parallel:
     sync_bn: bool = False
     bucket_cap_mb: float | None = None  # DDP
     comm_hook: str = "none"  # DDP
+    static_graph: bool = False  # DDP
+    reduce_dtype: str = "fp32"  # FSDP
     shard_units: list[str] | None = None  # FSDP
     reshard_after_forward: bool = True  # FSDP
 

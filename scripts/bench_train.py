@@ -3,14 +3,17 @@ side by side in one run, on the same model, data, optimizer, clipping and precis
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_train.py [--steps 400] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 scripts/bench_train.py accumulation.steps=4
+        (2-rank DDP: trainkit's loop against a plain DDP loop with the same no_sync accumulation)
 
 trainkit's figure is the samples/s of its last metrics row (log_every = steps / 2), so start-up,
 the final evaluation and checkpoint are left out; the plain loop is timed over the same second
-half of its steps. The difference is what trainkit adds per step: the sample weights, the
-metrics sums, the all-ranks non-finite check (one host sync per step) and the sampler.
+half of its steps. The difference is what trainkit adds per step: the sampler without padding,
+the per-batch seeds, the metrics sums and the exact loss normalisation.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -22,55 +25,74 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from torch.utils.data import DataLoader
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import dist, schedules  # noqa: E402
+from trainkit import config, dist, schedules  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
-    """The loop a tutorial would write: shuffle, forward, mean loss, backward, clip, step, schedule."""
+    """The loop a tutorial would write: shuffle, forward, mean loss, backward, clip, step, schedule;
+    under torchrun DDP with DistributedSampler and no_sync() around the first K-1 micro-batches."""
     torch.manual_seed(cfg.seed)
     train_set, _ = instantiate(cfg.data.splits)
     model = instantiate(cfg.model).to(d.device)
+    if d.distributed:
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     optimizer = instantiate(cfg.optim)(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
-    loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, num_workers=cfg.data.num_workers)
+    sampler = DistributedSampler(train_set) if d.distributed else None
+    loader = DataLoader(
+        train_set, cfg.data.batch_size, shuffle=sampler is None, sampler=sampler, num_workers=cfg.data.num_workers
+    )
     autocast = autocast_for(cfg.trainer.precision, d.device)
     max_norm = cfg.trainer.clip_grad_norm or math.inf
-    batches, samples, started = iter(loader), 0, 0.0
+    K = config.accumulation_steps(cfg, d.world_size)
+    batches, samples, started, epoch = iter(loader), 0, 0.0, 0
     for step in range(steps):
         if step == steps // 2:
             if d.device.type == "cuda":
                 torch.cuda.synchronize()
             samples, started = 0, time.perf_counter()
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            x, y = next(batches)
-        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-        with autocast():
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        for k in range(K):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                epoch += 1
+                if sampler is not None:
+                    sampler.set_epoch(epoch)
+                batches = iter(loader)
+                x, y = next(batches)
+            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            with model.no_sync() if d.distributed and k < K - 1 else contextlib.nullcontext():
+                with autocast():
+                    loss = F.cross_entropy(model(x), y) / K
+                loss.backward()
+            samples += len(y) * d.world_size
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        samples += len(y)
     if d.device.type == "cuda":
         torch.cuda.synchronize()
     return samples / (time.perf_counter() - started)
 
 
 def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
-    with tempfile.TemporaryDirectory() as run_dir:
-        train(cfg, d, "single", Path(run_dir))
-        rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "samples_per_s" in r][-1]["samples_per_s"]
+    """train() itself; its last row's samples/s (all ranks), read back from rank 0's metrics."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(d.gather_object(tmp)[0])  # rank 0's dir: it alone writes metrics.jsonl
+        train(cfg, d, "ddp" if d.distributed else "single", run_dir)
+        rate = 0.0
+        if d.is_main:
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rate = [r for r in rows if "samples_per_s" in r][-1]["samples_per_s"]
+        d.barrier()  # rank 0 reads before any rank's TemporaryDirectory goes
+        return d.gather_object(rate)[0]
 
 
 def main() -> None:
@@ -91,17 +113,20 @@ def main() -> None:
             ],
         )
     d = dist.init("auto", cfg.trainer.device)
-    print(
+    d.print0(
         f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
-        f"{d.device}, {torch.get_num_threads()} threads; best of {args.repeats}, second half of {args.steps} steps"
+        f"{d.device}, {torch.get_num_threads()} threads, {d.world_size} rank(s), "
+        f"K={config.accumulation_steps(cfg, d.world_size)}; "
+        f"best of {args.repeats}, second half of {args.steps} steps"
     )
     plain, ours = [], []
     for _ in range(args.repeats):  # alternate, so that load on the machine hits both alike
         plain.append(plain_loop(cfg, d, args.steps))
         ours.append(trainkit_loop(cfg, d, args.steps))
-    print(f"plain loop   {max(plain):>10,.0f} samples/s")
-    print(f"trainkit     {max(ours):>10,.0f} samples/s")
-    print(f"ratio trainkit / plain: {max(ours) / max(plain):.2f}")
+    d.print0(f"plain loop   {max(plain):>10,.0f} samples/s")
+    d.print0(f"trainkit     {max(ours):>10,.0f} samples/s")
+    d.print0(f"ratio trainkit / plain: {max(ours) / max(plain):.2f}")
+    dist.teardown(finished=True)
 
 
 if __name__ == "__main__":

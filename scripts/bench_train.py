@@ -3,6 +3,8 @@ side by side in one run, on the same model, data, optimizer, clipping and precis
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_train.py [--steps 400] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
+    ... --compile model=cnn: also trainkit with trainer.compile=true (the compiled steps are timed
+        after the first half: compilation is left out)
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 scripts/bench_train.py accumulation.steps=4
         (2-rank DDP: trainkit's loop against a plain DDP loop with the same no_sync accumulation)
 
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -99,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -119,13 +123,19 @@ def main() -> None:
         f"K={config.accumulation_steps(cfg, d.world_size)}; "
         f"best of {args.repeats}, second half of {args.steps} steps"
     )
-    plain, ours = [], []
+    plain, ours, compiled = [], [], []
     for _ in range(args.repeats):  # alternate, so that load on the machine hits both alike
         plain.append(plain_loop(cfg, d, args.steps))
         ours.append(trainkit_loop(cfg, d, args.steps))
+        if args.compile:
+            compiled.append(trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps))
     d.print0(f"plain loop   {max(plain):>10,.0f} samples/s")
     d.print0(f"trainkit     {max(ours):>10,.0f} samples/s")
     d.print0(f"ratio trainkit / plain: {max(ours) / max(plain):.2f}")
+    if compiled:
+        d.print0(
+            f"trainkit, trainer.compile=true {max(compiled):>10,.0f} samples/s: {max(compiled) / max(ours):.2f}x eager"
+        )
     dist.teardown(finished=True)
 
 

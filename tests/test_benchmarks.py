@@ -45,3 +45,23 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
     assert all(r["syncs_per_step"] == 0 for r in rows if r["variant"] == "one_process")
     assert all(e["scaling_efficiency"] > 0 for e in result["summary"]["mlp"].values())
     assert "scaling efficiency, mlp" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_bench_train_runs_both_loops_single_and_ddp(launcher):
+    """A quick run of each: both loops train and the ratio is printed (its value means nothing here)."""
+    script = ["scripts/bench_train.py", "--steps", "20", "--repeats", "1", "data.batch_size=8"]
+    if launcher == "torchrun":
+        script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
+    proc = subprocess.run(
+        [sys.executable, *script],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = 2 if launcher == "torchrun" else 1
+    assert f"{ranks} rank(s), K={ranks}" in proc.stdout and proc.stdout.count("ratio trainkit / plain:") == 1

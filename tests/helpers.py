@@ -49,6 +49,17 @@ def run_distributed(fn, world_size: int = 2, *args):
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+# A small BatchNorm model for the SyncBN equivalences: one process at b=32 against 2 ranks at b=16.
+SYNC_BN = [
+    "model=cnn",
+    "model.width=8",
+    "trainer.max_steps=12",
+    "trainer.log_every=4",
+    "optim=adamw",
+    "trainer.clip_grad_norm=1.0",
+]
+
+
 TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings: never equal between runs
 
 

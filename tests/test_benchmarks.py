@@ -11,19 +11,19 @@ import pytest
 from helpers import ROOT
 
 
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    """python <args> from the repository root, one thread per process; it must exit 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.slow
 def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
     out = tmp_path / "bench.json"
     models = ["mlp", "gpt"]  # resnet18 runs the same code, only slower
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_accumulation.py", "--quick", "--models", *models, "--out", str(out)],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script("scripts/bench_accumulation.py", "--quick", "--models", *models, "--out", str(out))
     result = json.loads(out.read_text())
     K = result["settings"]["K"]
     assert K > 1
@@ -54,14 +54,6 @@ def test_bench_train_runs_both_loops_single_and_ddp(launcher):
     script = ["scripts/bench_train.py", "--steps", "20", "--repeats", "1", "data.batch_size=8"]
     if launcher == "torchrun":
         script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
-    proc = subprocess.run(
-        [sys.executable, *script],
-        cwd=ROOT,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_script(*script)
     ranks = 2 if launcher == "torchrun" else 1
     assert f"{ranks} rank(s), K={ranks}" in proc.stdout and proc.stdout.count("ratio trainkit / plain:") == 1

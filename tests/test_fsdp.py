@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import ROOT, assert_equal, run_distributed, run_train, without_timings
+from helpers import ROOT, SYNC_BN, assert_equal, run_distributed, run_train, without_timings
 from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, full_state_dict, restore, snapshot
@@ -361,16 +361,6 @@ def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_pa
     for a, b in zip(rows(fsdp_no_sync)[4:], rows(tmp_path), strict=True):
         assert a["step"] == b["step"] and a["samples"] == b["samples"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-
-
-SYNC_BN = [
-    "model=cnn",
-    "model.width=8",
-    "trainer.max_steps=12",
-    "trainer.log_every=4",
-    "optim=adamw",
-    "trainer.clip_grad_norm=1.0",
-]
 
 
 @pytest.mark.slow

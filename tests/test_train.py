@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from helpers import ROOT, run_train
+from helpers import ROOT, SYNC_BN, run_train
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -144,16 +144,6 @@ def test_odd_n_two_epochs_w_ranks_equal_one_process_step_by_step(single_exact, t
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
     assert_same_weights(weights(tmp_path), weights(single_exact[model]), atol=1e-5)  # running statistics too
-
-
-SYNC_BN = [
-    "model=cnn",
-    "model.width=8",
-    "trainer.max_steps=12",
-    "trainer.log_every=4",
-    "optim=adamw",
-    "trainer.clip_grad_norm=1.0",
-]
 
 
 @pytest.fixture(scope="module")

@@ -180,8 +180,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 console.step()
 
                 row: dict[str, float] = {}
-                if step % cfg.trainer.log_every == 0 or step == total_steps:
-                    guard.check(meter, step)  # on_nonfinite=raise: no row holds a non-finite step
+                log_now = step % cfg.trainer.log_every == 0 or step == total_steps
+                eval_now = (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set) > 0
+                save_now = checkpointer.due(step, total_steps)
+                if log_now or eval_now or save_now:
+                    guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
+                if log_now:
                     row |= meter.row() | {"lr": lr}
                     console.row(row["loss"], lr, row["samples_per_s"])
                     console.print(
@@ -189,7 +193,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
                     )
                 with meter.paused():
-                    if (step % cfg.trainer.eval_every == 0 or step == total_steps) and len(val_set):
+                    if eval_now:
                         row |= (val := evaluate(unwrap(model), val_loader, d, autocast, task))
                         console.print(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
@@ -197,8 +201,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         )
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
-                    if checkpointer.due(step, total_steps):
-                        guard.check(meter, step)  # nor a checkpoint
+                    if save_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         checkpointer.save(

@@ -188,6 +188,27 @@ def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds
 
 
 @pytest.mark.slow
+def test_nan_raise_leaves_no_evaluation_row_of_a_non_finite_step(tmp_path):
+    # Evaluation rows come every step, training rows every 8: the check before evaluation catches
+    # step 3 (NaN weights would log val/loss NaN for steps 3..7 before the step-8 row raised).
+    proc = run_train(
+        tmp_path,
+        *TINY_CNN,
+        "trainer.log_every=8",
+        "trainer.eval_every=1",
+        "checkpoint.every=0",
+        *faulty("nan", 3, 0, tmp_path / "m"),
+        check=False,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: non-finite loss or gradient at step 3 (trainer.on_nonfinite=raise; skip drops such windows)"
+    )
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["val/loss"]) for r in rows)
+
+
+@pytest.mark.slow
 def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
     run_train(tmp_path, *NAN, "trainer.on_nonfinite=skip", *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, timeout=180)
     log = rows(tmp_path)

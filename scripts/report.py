@@ -25,6 +25,7 @@ import yaml  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 RUNNING_S = 300  # no model.pt and a metrics row written this recently: "running", else "stopped"
+ERROR_FILE = "error.txt"  # a failed run's one-line error (trainkit.config.record_failure)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Job:
     rows: list[dict]
     status: str
     wall_s: float | None
+    error: str | None  # a failed job's one-line error (its error.txt)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -56,7 +58,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def is_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("metrics.jsonl", ".hydra", "model.pt"))
+    return any((path / name).exists() for name in ("metrics.jsonl", ".hydra", "model.pt", ERROR_FILE))
 
 
 def job_dirs(root: Path) -> list[Path]:
@@ -72,14 +74,21 @@ def job_dirs(root: Path) -> list[Path]:
 def load_job(path: Path, name: str, now: float) -> Job:
     metrics, config, overrides = path / "metrics.jsonl", path / ".hydra" / "config.yaml", path / ".hydra/overrides.yaml"
     last_write = metrics.stat().st_mtime if metrics.exists() else path.stat().st_mtime
-    recent = "running" if now - last_write < RUNNING_S else "stopped"
+    error = (path / ERROR_FILE).read_text().strip() if (path / ERROR_FILE).exists() else None
+    if (path / "model.pt").exists():
+        status = "finished"
+    elif error is not None:
+        status = "failed"
+    else:
+        status = "running" if now - last_write < RUNNING_S else "stopped"
     return Job(
         name,
         path,
         [str(o) for o in yaml.safe_load(overrides.read_text()) or []] if overrides.exists() else None,
         read_rows(metrics),
-        "finished" if (path / "model.pt").exists() else recent,
+        status,
         last_write - config.stat().st_mtime if metrics.exists() and config.exists() else None,
+        error,
     )
 
 
@@ -159,7 +168,8 @@ def markdown(root: Path, jobs: list[Job], common: list[str]) -> str:
         "- samples/s: the mean of the rows' samples_per_s (each over its log interval, training time only).",
         "- syncs/step: the mean of comm/grad_syncs (gradient all-reduces per optimizer step; 0 in a single process).",
         "- time: from .hydra/config.yaml (written as training starts, or resumes) to the last metrics row.",
-        f"- status: finished (model.pt written), running (a row in the last {RUNNING_S}s), else stopped.",
+        f"- status: finished (model.pt written), failed ({ERROR_FILE}: its error is listed below the table), "
+        f"running (a row in the last {RUNNING_S}s), else stopped.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -168,6 +178,8 @@ def markdown(root: Path, jobs: list[Job], common: list[str]) -> str:
         numbers = summary(job)
         cells = [job.name, label(job, common).replace("|", "\\|"), job.status]
         lines.append("| " + " | ".join(cells + [cell(numbers[k], f) for k, f in FORMATS.items()]) + " |")
+    if failed := [job for job in jobs if job.status == "failed"]:
+        lines += ["", "Failed jobs:", ""] + [f"- {job.name}: {job.error}" for job in failed]
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ from typing import cast
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -232,20 +233,27 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig at run time
+    job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
+    return run(cfg, Path(hydra_cfg.runtime.output_dir), job, sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> float | None:
+    """Check the config, join the process group, train. A known failure is one line from rank 0,
+    no traceback; a sweep's job records it in its dir and the sweep goes on (config.SweepErrors)."""
     try:
         config.check(cfg)
-        hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig at run time
-        job = OmegaConf.select(hydra_cfg, "job.num", default=0)  # its number in a sweep; absent in a run
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
         val_acc = train(cfg, d, mode, run_dir)
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc
-    except Exception as error:  # known failures: one line from rank 0, no traceback
+    except Exception as error:
         if (known := config.user_error(error)) is not None:
-            if isinstance(known, ConfigError) and dist.env_rank() == 0:
-                config.remove_if_empty(run_dir)
+            if dist.env_rank() == 0:
+                config.record_failure(run_dir, known, sweep)
+            if sweep:
+                return None
             dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
         if dist.lost_peer(error):
             dist.fail(

@@ -1,12 +1,18 @@
 """Bad input ends with one line naming the key, the value and what is allowed, exit status 2, no
 traceback, and no run dir: whether Hydra refuses it as it composes (the schema's types, unknown
-options and keys) or trainkit does before training (config.check, the data, the launcher)."""
+options and keys) or trainkit does before training (config.check, the data, the launcher).
+
+The catalogue runs in this process, through the CLI's own path (config.run_cli around Hydra's compose
+and train.run); a few cases run the real command end to end for the exit status and stderr."""
 
 import os
 
 import pytest
+from hydra import compose, initialize_config_dir
 
-from helpers import run_train
+import train
+from helpers import ROOT, run_train
+from trainkit import config
 
 CATALOGUE = [
     # Types, checked by the schema (trainkit/schema.py) as Hydra composes.
@@ -31,7 +37,7 @@ CATALOGUE = [
     (["sched.warmup_steps=-5"], "sched.warmup_steps=-5 must be an integer >= 0"),
     (["model.width=0"], "model.width=0 must be a positive integer"),
     (["model.dropout=1.5"], "model.dropout=1.5 must be a number in [0, 1)"),
-    (["accumulation.steps=0"], "accumulation.steps=0 must be a positive integer"),
+    (["accumulation.steps=0"], "accumulation.steps=0 must be null or a positive integer"),
     (["data.batch_size=-4"], "data.batch_size=-4 must be a positive integer"),
     (["trainer.precision=fp8"], "trainer.precision=fp8 is not one of: fp32, bf16, fp16"),
     (["accumulation.strategy=sometimes"], "accumulation.strategy=sometimes is not one of: no_sync, sync_each_batch"),
@@ -55,12 +61,74 @@ CATALOGUE = [
     (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype=fp8 is not one of: fp32, bf16"),
     (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be null or a positive integer"),
     (["model.width=["], "no viable alternative at input '['"),
+    # Seeds, unknown keys added with +, the logger, K against the global batch (issue 17).
+    (["seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
+    (["seed=4294967296"], "seed=4294967296 must be an integer in [0, 4294967295]"),
+    (
+        ["+trainer.max_step=3"],
+        "trainer.max_step is not a setting of trainer; its settings: epochs, max_steps, clip_grad_norm, precision",
+    ),
+    (["+foo=1"], "foo is not a setting of the root; its settings: seed, model, data, optim, sched, task, trainer"),
+    (["+data.foo=1"], "data.foo is not a setting of data; its settings: name, splits, shape, num_classes"),
+    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb"),
+    (
+        ["accumulation.global_batch_size=64", "accumulation.steps=1"],
+        "accumulation.steps=1 disagrees with accumulation.global_batch_size=64: 64 / (data.batch_size x world size "
+        "= 32 x 1) = 2 micro-batches per step; set one of them",
+    ),
+    # The model, the data and the task disagree (each would fail at the first forward).
+    (
+        ["+experiment=addition_gpt", "data.block_size=5"],
+        "data.block_size=5 is shorter than the longest problem of data.max_digits=3 (12 tokens)",
+    ),
+    (["+experiment=addition_gpt", "model.block_size=4"], "model.block_size=4 must be at least data.block_size=24"),
+    (["+experiment=addition_gpt", "model.vocab_size=5"], "model.vocab_size=5 must be at least data.vocab_size=14"),
+    (["task=lm"], "task=lm needs a token data set (data.vocab_size, e.g. data=addition); data=digits has none"),
+    (
+        ["+experiment=addition_gpt", "task=classification"],
+        "task=classification needs data.num_classes; data=addition has none (a token data set: task=lm)",
+    ),
+    (["model.in_shape=[1,2]"], "model.in_shape=[1,2] must be equal to data.shape=[1,8,8]"),
+    (["model.num_classes=5"], "model.num_classes=5 must be at least data.num_classes=10"),
+    (["model=cnn", "model.in_channels=3"], "model.in_channels=3 must equal the channels of data.shape=[1,8,8]"),
 ]
 
 
-@pytest.mark.slow
+def cli_in_process(overrides: list[str], run_dir, monkeypatch) -> int:
+    """What `python src/train.py <overrides>` does, in this process: run_cli around Hydra's compose
+    and train.run (which @hydra.main calls). Hydra makes the run dir before the task: so do we."""
+    monkeypatch.setitem(os.environ, "HYDRA_FULL_ERROR", "0")  # run_cli sets it to 1 for its own handling
+
+    def main():
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        run_dir.mkdir()
+        return train.run(cfg, run_dir)
+
+    with pytest.raises(SystemExit) as exit:
+        config.run_cli(main)
+    return exit.value.code
+
+
 @pytest.mark.parametrize("overrides,message", CATALOGUE, ids=[" ".join(o) for o, _ in CATALOGUE])
-def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, overrides, message):
+def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, capsys, monkeypatch, overrides, message):
+    run_dir = tmp_path / "run"
+    status = cli_in_process(overrides, run_dir, monkeypatch)
+    out, err = capsys.readouterr()
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), err
+    assert "Traceback" not in out + err
+    assert not run_dir.exists()
+
+
+# End to end: Hydra's composition, config.check, and a refusal from inside train() (the data).
+END_TO_END = [CATALOGUE[0], CATALOGUE[14], CATALOGUE[26]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,message", END_TO_END, ids=[" ".join(o) for o, _ in END_TO_END])
+def test_bad_input_from_the_command_line(tmp_path, overrides, message):
     run_dir = tmp_path / "run"
     proc = run_train(run_dir, *overrides, check=False)
     assert proc.returncode == 2, proc.stderr

@@ -25,7 +25,9 @@ def submitit_logs(sweep: Path, task: int) -> str:
     return "".join(p.read_text() for p in sorted(sweep.glob(f".submitit/*/*_{task}_log.out")))
 
 
-def run_submitit(tmp: Path, *overrides: str, sweep_dir: str | None = None) -> subprocess.CompletedProcess:
+def run_submitit(
+    tmp: Path, *overrides: str, sweep_dir: str | None = None, tiny: tuple[str, ...] = TINY, check: bool = True
+) -> subprocess.CompletedProcess:
     # timeout_min: a stuck task is ended by submitit's controller, which outlives a killed launcher.
     return run_train(
         tmp / "unused",
@@ -35,9 +37,10 @@ def run_submitit(tmp: Path, *overrides: str, sweep_dir: str | None = None) -> su
         "hydra.launcher.timeout_min=3",
         f"hydra.sweep.dir={sweep_dir or tmp}",
         "parallel.timeout_s=60",
-        *TINY,
+        *tiny,
         *overrides,
         timeout=240,
+        check=check,
     )
 
 
@@ -60,13 +63,30 @@ def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group(tmp_path):
     # parallel=auto picks ddp under submitit; the two jobs run at once, each on a port of its own.
     # The default ${run_stamp:} dir: each task composes its job's config anew, from the launching
     # process's resolved values, so the jobs land in the sweep dir that holds .submitit/.
-    run_submitit(tmp_path, "trainer.max_steps=2,3", sweep_dir=f"{tmp_path}/${{run_stamp:}}")
+    # +experiment=accumulation_sweep takes the world size from submitit (${world_size:}): the job
+    # named K trains K micro-batches of 32 / (K x 2); K=3 does not divide: that job alone fails, in
+    # one line, and the sweep's exit status says so.
+    proc = run_submitit(
+        tmp_path,
+        "+experiment=accumulation_sweep",
+        "accumulation.steps=4,3",
+        sweep_dir=f"{tmp_path}/${{run_stamp:}}",
+        tiny=("model.width=16", "model.depth=1", "trainer.max_steps=2"),
+        check=False,
+    )
     [sweep] = [p.parent for p in tmp_path.glob("*/*/multirun.yaml")]
     assert sorted(p.name for p in sweep.parent.iterdir()) == [sweep.name]  # one stamp dir
-    for job, steps in (("0", 2), ("1", 3)):
-        assert rows(sweep / job)[-1]["step"] == steps
-        assert (sweep / job / "model.pt").is_file()
-    assert submitit_logs(sweep, 0).count("ddp x2") == 2
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        "error: job 1 (accumulation.steps=3 parallel.timeout_s=60 model.width=16 model.depth=1 trainer.max_steps=2 "
+        "+experiment=accumulation_sweep): data.batch_size: micro_batch: the global batch 32 is not a multiple of "
+        "K x world size = 3 x 2"
+    ]
+    assert rows(sweep / "0")[-1]["step"] == 2 and (sweep / "0" / "model.pt").is_file()
+    assert "global batch 32 = 2 ranks x 4 micro-batch x 4 accumulation" in submitit_logs(sweep, 0)
+    assert submitit_logs(sweep, 0).count("ddp x2") == 1
+    assert (sweep / "1" / "error.txt").is_file() and not (sweep / "1" / "model.pt").exists()
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,21 +44,26 @@ def assert_png(path: Path):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
-    run_train(
+    proc = run_train(
         tmp / "unused",
         "-m",
         f"hydra.sweep.dir={tmp / 'sweep'}",
         "trainer.max_steps=4",
         "trainer.log_every=2",
         "trainer.eval_every=2",
-        "accumulation.steps=1,2,4",
+        "accumulation.steps=1,2,4,0",  # 0: job 3 fails, the others run
+        check=False,
     )
+    assert proc.returncode == 1 and [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
+        "error: job 3 (trainer.max_steps=4 trainer.log_every=2 trainer.eval_every=2 accumulation.steps=0): "
+        "accumulation.steps=0 must be null or a positive integer"
+    ], proc.stderr
     return tmp / "sweep"
 
 
 @pytest.mark.slow
-def test_a_3_job_sweep_gives_one_dir_per_job_and_a_report_that_matches_its_metrics(sweep):
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2"]
+def test_a_4_job_sweep_gives_one_dir_per_job_and_a_report_that_matches_its_metrics(sweep):
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     for job in ("0", "1", "2"):
         assert (sweep / job / "metrics.jsonl").is_file() and (sweep / job / "model.pt").is_file()
 
@@ -67,7 +74,9 @@ def test_a_3_job_sweep_gives_one_dir_per_job_and_a_report_that_matches_its_metri
     assert markdown.startswith("# Report:")
     assert "every job has: `trainer.max_steps=4 trainer.log_every=2 trainer.eval_every=2`" in markdown
     rows = table(markdown)
-    assert list(rows) == ["0", "1", "2"]
+    assert list(rows) == ["0", "1", "2", "3"]
+    assert (rows["3"]["overrides"], rows["3"]["status"], rows["3"]["steps"]) == ("accumulation.steps=0", "failed", "—")
+    assert "- 3: accumulation.steps=0 must be null or a positive integer" in markdown
     for job, steps in zip(("0", "1", "2"), (1, 2, 4), strict=True):
         metrics = [json.loads(line) for line in (sweep / job / "metrics.jsonl").read_text().splitlines()]
         row = rows[job]
@@ -113,10 +122,18 @@ def test_a_running_sweep_is_reported_as_far_as_each_job_got(tmp_path, capsys):
     (sweep / "2").mkdir()  # started, nothing written yet
     (sweep / "10").mkdir()  # sorted as a number: after 2
     write_job(sweep / "3", ["optim.lr=3.0"], [])  # an empty metrics.jsonl
+    write_job(sweep / "4", ["optim.lr=4.0"], [train_row(2, 2.0)])  # stopped: its last row is old
+    os.utime(sweep / "4" / "metrics.jsonl", (time.time() - 2 * report.RUNNING_S,) * 2)
+    write_job(sweep / "5", ["optim.lr=5.0"], [train_row(2, 2.0)])  # failed at step 3
+    (sweep / "5" / "error.txt").write_text("non-finite loss or gradient at step 3\n")
     assert report.main([str(sweep)]) == 0
     assert "report.md" in capsys.readouterr().out
-    rows = table((sweep / "report.md").read_text())
-    assert list(rows) == ["0", "1", "2", "3", "10"]
+    markdown = (sweep / "report.md").read_text()
+    rows = table(markdown)
+    assert list(rows) == ["0", "1", "2", "3", "4", "5", "10"]
+    assert (rows["4"]["status"], rows["4"]["steps"]) == ("stopped", "2")
+    assert (rows["5"]["status"], rows["5"]["steps"]) == ("failed", "2")
+    assert "- 5: non-finite loss or gradient at step 3" in markdown
     assert rows["0"] | {"time": ""} == {
         "job": "0",
         "overrides": "optim.lr=0.1",

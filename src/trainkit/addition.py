@@ -36,7 +36,7 @@ def decode(tokens) -> str:
     return "".join(VOCAB[t] for t in tokens)
 
 
-def block_size(max_digits: int) -> int:
+def longest_input(max_digits: int) -> int:
     """The longest input: `a+b=` and the reversed answer with its end token, less one (shifted)."""
     return 2 * max_digits + 2 + (max_digits + 1) + 1 - 1
 
@@ -92,10 +92,18 @@ def _population(digits: int) -> tuple[int, int]:
     return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
 
 
-def splits(max_digits: int = 3, num_train: int = 20000, num_val: int = 1800) -> tuple[Problems, Problems]:
-    """Disjoint train/val problems, stratified by operand-length pair, independent of the seed."""
+def splits(
+    max_digits: int = 3, num_train: int = 20000, num_val: int = 1800, block_size: int | None = None
+) -> tuple[Problems, Problems]:
+    """Disjoint train/val problems, stratified by operand-length pair, independent of the seed.
+    `block_size` (the model's context, data.block_size): refused when the longest problem is longer."""
     if not (isinstance(max_digits, int) and 1 <= max_digits <= 6):
         raise ConfigError(f"data.max_digits={max_digits} must be an integer from 1 to 6")
+    if block_size is not None and block_size < longest_input(max_digits):
+        raise ConfigError(
+            f"data.block_size={block_size} is shorter than the longest problem of data.max_digits={max_digits} "
+            f"({longest_input(max_digits)} tokens)"
+        )
     for key, value in (("data.num_train", num_train), ("data.num_val", num_val)):
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}={value} must be an integer >= 0")

@@ -1,6 +1,7 @@
 """Config checks and one-line errors, the OmegaConf resolvers, and the schema Hydra composes with."""
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import os
@@ -16,6 +17,7 @@ from hydra.errors import (
     MissingConfigException,
     OverrideParseException,
 )
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -25,7 +27,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import schema
+from trainkit import dist, schema
 
 
 class ConfigError(ValueError):
@@ -47,10 +49,48 @@ def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     return error
 
 
-def remove_if_empty(directory: Path) -> None:
-    """Hydra makes the run dir before the task starts: a refused run leaves none behind."""
-    with contextlib.suppress(OSError):
-        directory.rmdir()  # only when empty
+ERROR_FILE = "error.txt"  # a failed run's (or sweep job's) one-line error, in its run dir
+
+
+def record_failure(run_dir: Path, error: ConfigError | RunError, sweep: bool) -> None:
+    """Rank 0, on a known failure. Refused settings leave no run dir (Hydra made it before the task
+    started) and a used one as it was, except in a sweep: there the job's dir keeps the error and
+    its overrides, so the sweep's end and scripts/report.py name the job. A run that failed while
+    training (RunError) keeps its error beside its metrics."""
+    if isinstance(error, ConfigError) and not sweep:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # only when empty
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_FILE).write_text(f"{error}\n")
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if sweep and not overrides.exists():
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides.parent.mkdir(exist_ok=True)
+        OmegaConf.save(HydraConfig.get().overrides.task, overrides)
+    if sweep:
+        print(f"job failed: {error}", flush=True)  # now, on stdout; stderr gets it at the sweep's end
+
+
+class SweepErrors(Callback):
+    """Hydra callback (conf/hydra/default.yaml): a sweep whose jobs failed ends with one line per
+    failed job on stderr and exit status 1. The jobs record their errors (record_failure) and
+    return, so the other jobs run: Hydra's basic launcher would stop at the first exception, and
+    submitit's launcher reports a failed task as a 40-line traceback."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
+        if not failed:
+            return
+        if dist.env_rank() == 0:
+            for path in failed:
+                overrides_file = path.parent / ".hydra" / "overrides.yaml"
+                overrides = " ".join(OmegaConf.load(overrides_file)) if overrides_file.exists() else ""
+                message = path.read_text().strip()
+                print(f"error: job {path.parent.name} ({overrides}): {message}", file=sys.stderr, flush=True)
+        raise SystemExit(1)  # Hydra catches a callback's exceptions, not SystemExit
 
 
 @functools.cache
@@ -80,6 +120,8 @@ def run_stamp() -> str:
 # use_cache: a submitit task re-resolves hydra.sweep.dir in its own process; the cached stamp
 # travels with the pickled config, so every job lands in the launching process's sweep dir.
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
+# ${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit; 1 alone).
+OmegaConf.register_new_resolver("world_size", lambda: dist.env_world_size(), replace=True)
 schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 
@@ -92,6 +134,7 @@ def save(cfg: DictConfig, run_dir: Path) -> None:
 
     directory = Path(run_dir) / ".hydra"
     directory.mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / ERROR_FILE).unlink(missing_ok=True)  # an earlier attempt's error: this one goes on
     OmegaConf.save(cfg, directory / "config.yaml")
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.get()
@@ -105,10 +148,12 @@ def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
     return [f"{k}={saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
 
 
+MAX_SEED = 2**32 - 1
 PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
+LOGGERS = ("none", "wandb")
 COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (FSDP)
 
@@ -150,16 +195,22 @@ def _non_negative(key: str, value, integer: bool = False) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Reject settings that would fail late or train silently wrong, naming the key."""
+    _check_known_keys(cfg)
     try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
-        raise ConfigError(f"{error.full_key}: {str(error.msg).splitlines()[0]}") from None
+        cause = error.__cause__  # a resolver's own ConfigError (e.g. ${micro_batch:}) says it best
+        text = str(cause) if isinstance(cause, ConfigError) else str(error.msg).splitlines()[0]
+        raise ConfigError(f"{error.full_key}: {text}") from None
+    if not 0 <= cfg.seed <= MAX_SEED:  # numpy's range; SeedSequence refuses negative seeds
+        raise ConfigError(f"seed={cfg.seed} must be an integer in [0, {MAX_SEED}]")
     _one_of("trainer.precision", cfg.trainer.precision, PRECISIONS)
     _one_of("accumulation.strategy", cfg.accumulation.strategy, STRATEGIES)
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
     _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ON_NONFINITE)
+    _one_of("logger.name", cfg.logger.name, LOGGERS)
     _positive_int("data.batch_size", cfg.data.batch_size)
-    _positive_int("accumulation.steps", cfg.accumulation.steps)
+    _optional_positive_int("accumulation.steps", cfg.accumulation.steps)
     _positive_int("trainer.epochs", cfg.trainer.epochs)
     _positive_int("trainer.eval_every", cfg.trainer.eval_every)
     _positive_int("trainer.log_every", cfg.trainer.log_every)
@@ -189,8 +240,64 @@ def check(cfg: DictConfig) -> None:
         _non_negative("sched.warmup_steps", cfg.sched.warmup_steps, integer=True)
     if "min_ratio" in cfg.sched and not (_is_number(cfg.sched.min_ratio) and 0 <= cfg.sched.min_ratio <= 1):
         raise ConfigError(f"sched.min_ratio={cfg.sched.min_ratio} must be a number in [0, 1]")
+    _check_agreement(cfg)
     if cfg.parallel.mode == "fsdp":
         _check_fsdp(cfg)
+
+
+def _check_known_keys(cfg: DictConfig) -> None:
+    """The root and the groups trainkit reads itself refuse unknown keys, also added with `+` (Hydra
+    opens a typed node for `+key=...`: a misspelt `+trainer.max_step=3` would be ignored). The
+    `_target_` groups are left to their constructors, which refuse arguments they do not take."""
+    groups = [f.name for f in dataclasses.fields(schema.Train)]  # the root is checked first: these exist
+    for path, node in [("", cfg), *((name, cfg[name]) for name in groups)]:
+        kind = OmegaConf.get_type(node)
+        if not (isinstance(node, DictConfig) and dataclasses.is_dataclass(kind)):
+            continue  # an option of one's own (no schema): any keys
+        known = [f.name for f in dataclasses.fields(kind)]
+        if "_target_" in known:
+            continue
+        for key in node:
+            if key not in known:
+                where = f"{path}.{key!s}" if path else str(key)
+                raise ConfigError(f"{where} is not a setting of {path or 'the root'}; its settings: {', '.join(known)}")
+
+
+# (model key, data key, what the model's value must be): a pair that disagrees fails at the first
+# forward with an index or shape error; named here instead.
+_AGREE = [
+    ("vocab_size", "vocab_size", "at least"),
+    ("block_size", "block_size", "at least"),
+    ("num_classes", "num_classes", "at least"),
+    ("in_shape", "shape", "equal to"),
+]
+
+
+def _check_agreement(cfg: DictConfig) -> None:
+    """The model fits the data, and the task the data (built-in options; one's own are trusted)."""
+    model, data = cfg.model, cfg.data
+    for model_key, data_key, relation in _AGREE:
+        if model_key not in model or data.get(data_key) is None:
+            continue
+        mine, theirs = model[model_key], data[data_key]
+        ok = mine >= theirs if relation == "at least" else list(mine) == list(theirs)
+        if not ok:
+            raise ConfigError(
+                f"model.{model_key}={_override_text(mine)} must be {relation} data.{data_key}={_override_text(theirs)}"
+            )
+    if "in_channels" in model and data.get("shape") is not None and model.in_channels != data.shape[0]:
+        raise ConfigError(
+            f"model.in_channels={model.in_channels} must equal the channels of data.shape={_override_text(data.shape)}"
+        )
+    task = OmegaConf.get_type(cfg.task)
+    if task is schema.LanguageModel and data.get("vocab_size") is None:
+        raise ConfigError(
+            f"task=lm needs a token data set (data.vocab_size, e.g. data=addition); data={data.name} has none"
+        )
+    if task is schema.Classification and data.get("num_classes") is None:
+        raise ConfigError(
+            f"task=classification needs data.num_classes; data={data.name} has none (a token data set: task=lm)"
+        )
 
 
 def _check_fsdp(cfg: DictConfig) -> None:
@@ -204,7 +311,8 @@ def _check_fsdp(cfg: DictConfig) -> None:
 
 
 def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
-    """K, from accumulation.steps or derived from accumulation.global_batch_size."""
+    """K: accumulation.steps, or derived from accumulation.global_batch_size (both set: they must
+    agree, a K silently replaced would train another run than the one named), else 1."""
     global_batch = cfg.accumulation.global_batch_size
     K = cfg.accumulation.steps
     if global_batch is not None:
@@ -214,7 +322,15 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
                 f"accumulation.global_batch_size={global_batch} is not a multiple of "
                 f"data.batch_size x world size = {cfg.data.batch_size} x {world_size} = {per_step}"
             )
-        K = global_batch // per_step
+        derived = global_batch // per_step
+        if K is not None and derived != K:
+            raise ConfigError(
+                f"accumulation.steps={K} disagrees with accumulation.global_batch_size={global_batch}: "
+                f"{global_batch} / (data.batch_size x world size = {cfg.data.batch_size} x {world_size}) = "
+                f"{derived} micro-batches per step; set one of them"
+            )
+        K = derived
+    K = K or 1
     if K > 1 and cfg.accumulation.strategy == "no_sync" and cfg.parallel.get("static_graph", False):
         raise ConfigError(
             f"parallel.static_graph=true with no_sync accumulation (K={K}) hits a torch bug: DDP asserts in the "

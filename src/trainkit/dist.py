@@ -124,6 +124,12 @@ def env_rank() -> int:
     return task.rank if task else int(os.environ.get("RANK", "0"))
 
 
+def env_world_size() -> int:
+    """The job's world size before any process group exists (torchrun's, submitit's, else 1)."""
+    task = submitit_task()
+    return task.world_size if task else int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, job: int = 0) -> Dist:
     """Join the job's process group (torchrun's, or a submitit job's; none without either) and
     pick this rank's device. `job`: the job's number in a Hydra sweep (each job builds its own

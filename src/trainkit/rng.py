@@ -8,9 +8,10 @@ import torch
 
 def seed_all(seed: int, cuda: bool = True) -> None:
     """Seed python, numpy and torch (CPU, and CUDA unless cuda=False): nothing draws from an
-    unseeded generator. (torch.manual_seed also seeds every CUDA device: ~100x the CPU's cost.)"""
+    unseeded generator. (torch.manual_seed also seeds every CUDA device: ~100x the CPU's cost.)
+    Any seed >= 0 works (seed + rank may pass numpy's 2**32 - 1: numpy takes it modulo 2**32)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     if cuda:
         torch.manual_seed(seed)
     else:

@@ -39,7 +39,7 @@ class Checkpoint:
 @dataclass
 class Accumulation:
     strategy: str = "no_sync"
-    steps: int = 1
+    steps: int | None = None  # null: 1, or derived from global_batch_size
     global_batch_size: int | None = None
 
 
@@ -244,6 +244,7 @@ class AdditionSplits:
     max_digits: int = MISSING
     num_train: int = MISSING
     num_val: int = MISSING
+    block_size: int | None = None
 
 
 @dataclass

@@ -96,6 +96,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     identity = {
         "global_batch": layout.global_batch,
         "seed": cfg.seed,
+        "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
         "optim._target_": cfg.optim._target_,
         **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),

@@ -96,3 +96,13 @@ def test_the_training_stream_is_seeded_by_seed_step_and_rank_alone():
         seed_step(0, 7, 1, torch.device("cpu"))
         draws.append(torch.rand(3))
     assert torch.equal(*draws)
+
+
+def test_a_resume_that_cannot_be_exact_is_refused_naming_the_setting(no_workers, tmp_path):
+    from trainkit.config import ConfigError
+
+    (tmp_path / "checkpoints").mkdir()
+    name = "step_00000003.pt"
+    (tmp_path / "checkpoints" / name).write_bytes((no_workers / "checkpoints" / name).read_bytes())
+    with pytest.raises(ConfigError, match="written with data.drop_last=False, this run has data.drop_last=True"):
+        train_lm(tmp_path, "data.drop_last=true")

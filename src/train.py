@@ -27,7 +27,7 @@ from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.progress import Progress
-from trainkit.rng import seed_all
+from trainkit.rng import seed_all, seed_step
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
@@ -97,6 +97,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     identity = {
         "global_batch": layout.global_batch,
         "seed": cfg.seed,
+        "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
         "optim._target_": cfg.optim._target_,
         **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
@@ -145,6 +146,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 # is known before the first backward.
                 with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
                     micro = [next(batches) for _ in range(layout.micro_steps(window))]
+                # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a
+                # loader in this process re-seeds per batch, a worker does not): rule 15, and resume needs no RNG state.
+                seed_step(cfg.seed, step, d.rank, d.device)
                 samples = layout.window_samples(window)
                 items: int | torch.Tensor = samples
                 if task.items_name:  # counted in the data: one all-reduce of a number per step

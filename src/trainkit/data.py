@@ -183,9 +183,10 @@ class SeededBatches(Dataset):
 
     Loader workers are persistent and their RNG streams are in no checkpoint; seeding per batch
     makes what a random augmentation draws a function of the batch alone, with or without
-    workers. In the main process (num_workers=0) training's CPU draws (dropout on CPU) then go on
-    from the batch's seed: as reproducible, a checkpoint holding the states. Nothing is saved and
-    put back: that cost more than the rest of a small model's step (numpy's state alone ~60 us)."""
+    workers. In the main process (num_workers=0) this re-seeds training's stream too: train.py
+    re-seeds it per optimizer step after the batches are fetched (rng.seed_step), so dropout does not
+    depend on where they were loaded. Nothing is saved and put back: that cost more than the rest of
+    a small model's step (numpy's state alone ~60 us)."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset

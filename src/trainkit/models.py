@@ -71,8 +71,7 @@ def resnet18(
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention and an MLP, each residual. The natural
-    FSDP unit (`parallel.shard_units=[Block]`)."""
+    """A pre-norm transformer block: causal self-attention and an MLP, each residual. GPT's FSDP unit."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
@@ -98,6 +97,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small nanoGPT-style causal transformer: token and position embeddings, `n_layer` Blocks,
     a final LayerNorm and a head tied to the token embedding. (B, T) tokens -> (B, T, vocab) logits."""
+
+    # parallel=fsdp's units unless parallel.shard_units names others: one all-gather per Block; the
+    # embeddings, tied to the head, and the final LayerNorm stay in the root (trainkit.parallel.fsdp_units).
+    shard_units = ("Block",)
 
     def __init__(
         self,

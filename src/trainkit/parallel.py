@@ -121,18 +121,23 @@ def wrap(
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
             if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
                 unit.forward = torch.compile(unit.forward)
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
+            _shard(model, unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size)
     return model, stats
 
 
 def fsdp_units(model: nn.Module, class_names=None) -> list[nn.Module]:
     """The submodules that get their own fully_shard (one all-gather / reduce-scatter each),
-    outermost first. None: each direct child of the root that has parameters. A list of class
-    names (e.g. [BasicBlock]): every submodule of those classes; [] shards the root alone."""
+    outermost first. None: the classes the model names itself (its `shard_units`, e.g. GPT's
+    Block), else each child that has parameters, looking inside containers without a forward of
+    their own (ModuleList, ModuleDict: FSDP2 cannot shard those); children that share a parameter
+    (tied weights) stay in the root. A list of class names (e.g. [BasicBlock]): every submodule of
+    those classes; [] shards the root alone."""
     if class_names is None:
-        return [child for child in model.children() if any(True for _ in child.parameters())]
+        class_names = getattr(model, "shard_units", None)
+    if class_names is None:
+        return _untied(model, list(_children_with_parameters(model)))
     names = set(class_names)
     units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     if missing := names - {type(m).__name__ for m in units}:
@@ -141,7 +146,54 @@ def fsdp_units(model: nn.Module, class_names=None) -> list[nn.Module]:
             f"parallel.shard_units: no submodule of class {', '.join(sorted(missing))} in "
             f"{type(model).__name__} (it has: {', '.join(present)})"
         )
+    if container := next((m for m in units if not _has_forward(m)), None):
+        inside = sorted({type(m).__name__ for m in container.children()})
+        raise ConfigError(
+            f"parallel.shard_units: {_name(model, container)} ({type(container).__name__}) cannot be sharded: "
+            f"a container without a forward of its own; name the classes it holds ({', '.join(inside)})"
+        )
     return units
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _children_with_parameters(module: nn.Module):
+    """The default units: children with parameters; a container is replaced by its own."""
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if _has_forward(child):
+            yield child
+        else:
+            yield from _children_with_parameters(child)
+
+
+def _untied(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """`units` less those sharing a parameter with another (GPT's tied embedding and head): FSDP2
+    refuses a parameter in two units; the root holds them instead."""
+    owners: dict[int, set[int]] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            owners.setdefault(id(p), set()).add(i)
+    shared = {i for held in owners.values() if len(held) > 1 for i in held}
+    return [unit for i, unit in enumerate(units) if i not in shared]
+
+
+def _name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def _shard(model: nn.Module, unit: nn.Module, **kwargs) -> None:
+    """fully_shard, with its refusal (e.g. a tied parameter in two units) as one line naming the unit."""
+    try:
+        fully_shard(unit, **kwargs)
+    except ValueError as error:
+        what = f"{_name(model, unit)} ({type(unit).__name__})" if unit is not model else type(unit).__name__
+        raise ConfigError(
+            f"parallel=fsdp: cannot shard {what}: {str(error).splitlines()[0]} (parallel.shard_units chooses the units)"
+        ) from None
 
 
 def _count_reduce_scatters(model: nn.Module, stats: CommStats, world_size: int) -> None:

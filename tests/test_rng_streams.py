@@ -1,0 +1,108 @@
+"""What a random draw depends on (rule 15): the training stream (dropout) on (seed, step, rank), an
+augmentation on (seed, epoch, rank, micro-batch); never on where a batch was loaded."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from helpers import ROOT, NoisyDigits
+from trainkit.data import InMemory, TrainLoader
+from trainkit.dist import Dist
+
+CPU = Dist(0, 0, 1, torch.device("cpu"))
+
+# An lm run with dropout, 6 steps of a global batch 16 (a short 2-layer GPT), a checkpoint at step 3.
+DROPOUT_LM = [
+    "+experiment=addition_gpt",
+    "data.num_train=96",
+    "data.num_val=8",
+    "data.batch_size=16",
+    "model.dropout=0.1",
+    "trainer.max_steps=6",
+    "trainer.eval_every=1000",
+    "trainer.log_every=3",
+    "checkpoint.every=3",
+    "sched.warmup_steps=0",
+]
+
+
+def train_lm(run_dir: Path, *overrides: str) -> dict:
+    from train import train
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[*DROPOUT_LM, *overrides])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train(cfg, CPU, "single", run_dir)
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def no_workers(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("workers0")
+    train_lm(run_dir, "data.num_workers=0")
+    return run_dir
+
+
+def test_loader_workers_change_nothing_dropout_included(no_workers, tmp_path):
+    expected = torch.load(no_workers / "model.pt", weights_only=True)
+    got = train_lm(tmp_path, "data.num_workers=2", "data.prefetch_factor=3", "data.pin_memory=false")
+    print(f"max |weights(2 workers) - weights(0 workers)| {max_diff(got, expected):.2e}")
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_a_resume_that_switches_to_loader_workers_is_exact(no_workers, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    name = "step_00000003.pt"
+    (tmp_path / "checkpoints" / name).write_bytes((no_workers / "checkpoints" / name).read_bytes())
+    got = train_lm(tmp_path, "data.num_workers=2")
+    expected = torch.load(no_workers / "model.pt", weights_only=True)
+    print(f"max |weights(resumed 0 -> 2 workers) - weights(uninterrupted)| {max_diff(got, expected):.2e}")
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def blank_digits_loader(rank: int, num_workers: int) -> TrainLoader:
+    """NoisyDigits over blank images: what a batch holds is its augmentation draws alone."""
+    blank = NoisyDigits(InMemory(torch.zeros(40, 1, 8, 8), torch.zeros(40, dtype=torch.long)))
+    return TrainLoader(blank, Dist(rank, rank, 2, torch.device("cpu")), 4, num_workers, seed=0, micro_batches=5)
+
+
+def test_the_two_ranks_augment_differently_wherever_they_load():
+    for num_workers in (0, 2):
+        rank_0, rank_1 = (list(blank_digits_loader(rank, num_workers).epoch(1)) for rank in (0, 1))
+        for (x0, _), (x1, _) in zip(rank_0, rank_1, strict=True):
+            assert x0.abs().sum() > 0 and not torch.allclose(x0, x1), num_workers  # micro-batch j differs
+    # ... and draw the same wherever the batches are loaded.
+    for rank in (0, 1):
+        main, workers = (list(blank_digits_loader(rank, n).epoch(1)) for n in (0, 2))
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(main, workers, strict=True))
+
+
+def test_the_training_stream_is_seeded_by_seed_step_and_rank_alone():
+    from trainkit.rng import seed_step, step_seed
+
+    seeds = {step_seed(seed, step, rank) for seed in (0, 1) for step in range(1000) for rank in range(8)}
+    assert len(seeds) == 2 * 1000 * 8 and max(seeds) < 2**63  # ranks and steps draw differently
+    draws = []
+    for _ in range(2):
+        torch.rand(5)  # whatever was drawn before: the step's draws are the same
+        seed_step(0, 7, 1, torch.device("cpu"))
+        draws.append(torch.rand(3))
+    assert torch.equal(*draws)
+
+
+def test_a_resume_that_cannot_be_exact_is_refused_naming_the_setting(no_workers, tmp_path):
+    from trainkit.config import ConfigError
+
+    (tmp_path / "checkpoints").mkdir()
+    name = "step_00000003.pt"
+    (tmp_path / "checkpoints" / name).write_bytes((no_workers / "checkpoints" / name).read_bytes())
+    with pytest.raises(ConfigError, match="written with data.drop_last=False, this run has data.drop_last=True"):
+        train_lm(tmp_path, "data.drop_last=true")

@@ -85,28 +85,46 @@ def wandb_mode() -> str:
     return "online" if any("wandb" in host for host in hosts) else "offline"
 
 
-def sweep_identity() -> tuple[str | None, str | None]:
-    """(group, name) of this job's W&B run in a Hydra sweep: the sweep dir groups its jobs, the
-    job's overrides name it (e.g. "accumulation.steps=4"); (None, None) outside a sweep."""
+def sweep_identity() -> tuple[str | None, str | None, str | None]:
+    """(group, name, job type) of this job's W&B run in a Hydra sweep: the sweep dir groups its
+    jobs, the job's overrides name it (e.g. "accumulation.steps=4,trainer.max_steps=100"), and the
+    values of the keys the sweep varies are its job type (W&B's 64 characters: the whole name cut
+    there would drop a swept key that sorts late); (None, None, None) outside a sweep."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return None, None
+        return None, None, None
     hydra = HydraConfig.get()
-    return str(hydra.sweep.dir), hydra.job.override_dirname or f"job {hydra.job.num}"
+    name = hydra.job.override_dirname or f"job {hydra.job.num}"
+    swept = swept_keys(Path(hydra.sweep.dir) / "multirun.yaml")
+    varied = [o for o in hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+    return str(hydra.sweep.dir), name, (" ".join(varied) or name)[:64]
+
+
+def swept_keys(multirun_yaml: Path) -> set[str]:
+    """The keys a sweep varies: its command's sweep overrides (`a=1,2`, `b=range(3)`) and its
+    sweeper's params, read back from the multirun.yaml Hydra writes before the jobs start."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not multirun_yaml.exists():
+        return set()
+    saved = OmegaConf.load(multirun_yaml).hydra
+    params = OmegaConf.select(saved, "sweeper.params", default=None) or {}
+    overrides = [*saved.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
 
 
 def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
     import wandb
 
-    group, name = sweep_identity()
+    group, name, job_type = sweep_identity()
     return wandb.init(
         project=cfg.logger.project,
         entity=cfg.logger.entity,
         group=cfg.logger.group or group,  # one W&B run per sweep job, grouped by the sweep
         name=name,
-        job_type=name[:64] if name else None,  # W&B's limit
+        job_type=job_type,
         tags=list(cfg.logger.tags),
         dir=str(run_dir),
         mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it

@@ -164,8 +164,7 @@ def _draws() -> list:
     return [random.random(), np.random.rand(), torch.rand(()).item()]
 
 
-def test_rng_state_round_trip_on_a_cpu_rank_even_where_cuda_is_present(gpus):
-    gpus(8)  # a CPU run on a GPU machine: nothing of CUDA is saved (this machine has none to read)
+def test_rng_state_round_trip_on_a_cpu_rank():
     seed_all(0, cuda=False)
     state = rng_state(CPU)
     assert state["cuda"] == []
@@ -194,3 +193,13 @@ def test_a_bad_or_unavailable_device_is_one_line_exit_2_and_no_run_dir(tmp_path)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
         assert not run_dir.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: scripts/gpu_check.sh runs it")
+def test_cuda_rng_state_is_the_own_devices_and_round_trips():
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # not cuda:0 where there are several
+    state = rng_state(device)
+    assert len(state["cuda"]) == 1  # not every visible GPU's: a resume may see fewer
+    expected = torch.rand(4, device=device)
+    set_rng_state(state, device)
+    assert torch.equal(torch.rand(4, device=device), expected)

@@ -271,7 +271,7 @@ def checkpointing_table(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["resnet18", "mlp"], default="resnet18")
     parser.add_argument("--width", type=int, default=2048, help="mlp: input size and width (4 hidden layers)")
     parser.add_argument("--world-size", type=int, default=2)

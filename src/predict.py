@@ -143,6 +143,8 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as error:
         if (known := user_error(error)) is None:
             raise
+        if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
+            config.remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
     finally:
         dist.teardown()

@@ -57,3 +57,12 @@ def test_bench_train_runs_both_loops_single_and_ddp(launcher):
     proc = run_script(*script)
     ranks = 2 if launcher == "torchrun" else 1
     assert f"{ranks} rank(s), K={ranks}" in proc.stdout and proc.stdout.count("ratio trainkit / plain:") == 1
+
+
+def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():
+    import ast
+
+    script = ROOT / "scripts/bench_memory.py"
+    doc = ast.get_docstring(ast.parse(script.read_text()), clean=False)
+    shown = run_script(str(script), "--help").stdout
+    assert all(line.strip() in shown for line in doc.strip().splitlines())

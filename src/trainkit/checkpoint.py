@@ -262,7 +262,7 @@ def snapshot(
         "identity": identity,
         "settings": settings,
         "wandb_run_id": wandb_run_id,
-        "ranks": {"rng": rng_state(), "meter": meter.state_dict()},
+        "ranks": {"rng": rng_state(d.device), "meter": meter.state_dict()},
     }
 
 
@@ -300,7 +300,7 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
         scaler.load_state_dict(state["scaler"])
     if saved_world == d.world_size:
         meter.load_state_dict(state["ranks"][d.rank]["meter"])
-        set_rng_state(state["ranks"][d.rank]["rng"])
+        set_rng_state(state["ranks"][d.rank]["rng"], d.device)
         return
     counts = state["ranks"][0]["meter"]  # step, sample and sync counts: the same on every rank
     loss_sum = (

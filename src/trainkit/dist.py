@@ -9,6 +9,7 @@ import datetime
 import functools
 import os
 import random
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from trainkit.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class SubmititTask:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int
     master_addr: str
     master_port: int
 
@@ -110,7 +114,8 @@ def submitit_task() -> SubmititTask | None:
     # Every task derives the same port from the job id; each job of a sweep (SLURM array task,
     # local controller) has its own id, so concurrent jobs on one node do not meet.
     port = random.Random(env.job_id).randint(20000, 60000)
-    return SubmititTask(env.global_rank, env.local_rank, env.num_tasks, env.hostnames[0], port)
+    per_node = env.num_tasks // env.num_nodes  # submitit's tasks_per_node: the same on every node
+    return SubmititTask(env.global_rank, env.local_rank, env.num_tasks, per_node, env.hostnames[0], port)
 
 
 def launched_distributed() -> bool:
@@ -118,10 +123,79 @@ def launched_distributed() -> bool:
     return _torchrun() or submitit_task() is not None
 
 
+@dataclass(frozen=True)
+class Place:
+    """This process's place in its job, before any process group exists."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int  # processes on this node
+
+
+def place() -> Place:
+    """From submitit's or torchrun's environment; one process without either."""
+    if task := submitit_task():
+        return Place(task.rank, task.local_rank, task.world_size, task.local_world_size)
+    env = os.environ
+    return Place(
+        int(env.get("RANK", 0)),
+        int(env.get("LOCAL_RANK", 0)),
+        int(env.get("WORLD_SIZE", 1)),
+        int(env.get("LOCAL_WORLD_SIZE", 1)),
+    )
+
+
 def env_rank() -> int:
     """The rank before any process group exists (for printing errors from rank 0 only)."""
-    task = submitit_task()
-    return task.rank if task else int(os.environ.get("RANK", "0"))
+    return place().rank
+
+
+DEVICES = "auto, cpu, cuda, cuda:<index>"
+
+
+def resolve_device(spec: str, local_rank: int = 0, local_world_size: int = 1, launched: bool = False) -> torch.device:
+    """trainer.device -> this process's device, always with an index on CUDA (torch.cuda.set_device
+    refuses a bare "cuda"). auto: cuda when CUDA is present, else cpu. cuda: cuda:<local rank>, one GPU
+    per process as torchrun and submitit start them. cuda:N: that GPU, one process only (under a
+    launcher every rank would take the same GPU). Raises ConfigError before anything touches CUDA."""
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", "cuda" if spec == "auto" else spec)
+    if match is None:
+        raise ConfigError(f"trainer.device={spec} is not one of: {DEVICES}")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.device={spec}: no CUDA device is visible (torch.cuda.is_available() is false); "
+            "use trainer.device=cpu or auto"
+        )
+    if match[1] is not None and launched:
+        raise ConfigError(
+            f"trainer.device={spec} under a launcher puts every rank on one GPU; use trainer.device=cuda "
+            "(each rank takes cuda:<local rank>)"
+        )
+    # Every process of a node sees the same count, so all fail together (and rank 0 says why), not
+    # only the ranks past the last GPU.
+    index = local_rank if match[1] is None else int(match[1])
+    needed = max(local_world_size, index + 1) if match[1] is None else index + 1
+    if needed > (count := torch.cuda.device_count()):
+        wanted = f"{needed} processes on this node" if match[1] is None else f"cuda:{index}"
+        raise ConfigError(
+            f"trainer.device={spec}: {wanted} but {count} CUDA device(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+    return torch.device("cuda", index)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """parallel.backend: auto picks NCCL for CUDA devices, gloo otherwise; NCCL cannot run on CPU."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"parallel.backend={backend} is not one of: auto, gloo, nccl")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"parallel.backend=nccl needs a CUDA device, this rank's is {device}; use gloo or auto")
+    return backend
 
 
 def env_world_size() -> int:
@@ -134,31 +208,25 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, jo
     """Join the job's process group (torchrun's, or a submitit job's; none without either) and
     pick this rank's device. `job`: the job's number in a Hydra sweep (each job builds its own
     process group)."""
-    task = submitit_task()
-    rank = task.rank if task else int(os.environ.get("RANK", 0))
-    local_rank = task.local_rank if task else int(os.environ.get("LOCAL_RANK", 0))
-    world_size = task.world_size if task else int(os.environ.get("WORLD_SIZE", 1))
-    if rank != 0:  # Python warnings once, from rank 0, not once per rank
+    task, me, launched = submitit_task(), place(), launched_distributed()
+    if me.rank != 0:  # Python warnings once, from rank 0, not once per rank
         warnings.simplefilter("ignore")
-    if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    here = torch.device(device)
+    here = resolve_device(device, me.local_rank, me.local_world_size, launched)
+    backend = resolve_backend(backend, here)  # checked, as the device, before the first CUDA call
     if here.type == "cuda":
-        torch.cuda.set_device(here)
-    if launched_distributed():
-        if backend == "auto":
-            backend = "nccl" if here.type == "cuda" else "gloo"
+        torch.cuda.set_device(here)  # NCCL, DDP and FSDP's device mesh use the current device
+    if launched:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{task.master_addr}:{task.master_port}" if task else None,
-            store=None if task else _store(world_size, timeout, job),
-            rank=rank,
-            world_size=world_size,
+            store=None if task else _store(me.world_size, timeout, job),
+            rank=me.rank,
+            world_size=me.world_size,
             timeout=timeout,
             device_id=here if here.type == "cuda" else None,
         )
-    return Dist(rank, local_rank, world_size, here)
+    return Dist(me.rank, me.local_rank, me.world_size, here)
 
 
 def _store(world_size: int, timeout: datetime.timedelta, job: int) -> dist.Store | None:

@@ -111,13 +111,8 @@ def wrap(
         )
         model.register_comm_hook((stats, *_HOOKS[comm_hook]), _counting)
     elif mode == "fsdp":
-        mesh = init_device_mesh(d.device.type, (d.world_size,))
-        # bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and keep the
-        # sharded parameters the optimizer steps in fp32. Elsewhere autocast alone (train.py).
-        policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if precision == "bf16" and d.device.type == "cuda" else None,
-            reduce_dtype=REDUCE_DTYPES[reduce_dtype],
-        )
+        mesh = init_device_mesh(d.device.type, (d.world_size,))  # on the current device: dist.init set it
+        policy = mixed_precision(precision, d.device, reduce_dtype)
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
             if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
                 unit.forward = torch.compile(unit.forward)
@@ -125,6 +120,15 @@ def wrap(
         _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size)
     return model, stats
+
+
+def mixed_precision(precision: str, device: torch.device, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
+    """FSDP2's policy. bf16 on CUDA: all-gather and compute in bf16; reduce, accumulate (no_sync) and
+    keep the sharded parameters the optimizer steps in fp32. Elsewhere autocast alone (train.py)."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision == "bf16" and device.type == "cuda" else None,
+        reduce_dtype=REDUCE_DTYPES[reduce_dtype],
+    )
 
 
 def fsdp_units(model: nn.Module, class_names=None) -> list[nn.Module]:

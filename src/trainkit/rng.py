@@ -18,8 +18,10 @@ def seed_all(seed: int, cuda: bool = True) -> None:
         torch.default_generator.manual_seed(seed)
 
 
-def rng_state() -> dict:
-    """This rank's python, numpy, torch and CUDA generator states, as weights_only-safe values."""
+def rng_state(device: torch.device) -> dict:
+    """This rank's python, numpy, torch and (on a CUDA device) its device's generator states, as
+    weights_only-safe values. Only this rank's own GPU: every GPU the process sees would fail to
+    restore where fewer are visible (a SLURM task bound to its GPU) with "invalid device ordinal"."""
     np_state = np.random.get_state(legacy=False)
     return {
         "python": random.getstate(),
@@ -31,11 +33,13 @@ def rng_state() -> dict:
             },
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
     }
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Put back rng_state()'s states; the CUDA one onto `device`, and only when both runs used CUDA
+    (a CPU run of a GPU checkpoint draws nothing on a GPU)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy = state["numpy"]
@@ -43,8 +47,8 @@ def set_rng_state(state: dict) -> None:
         {**numpy, "state": {"key": numpy["state"]["key"].numpy().astype(np.uint32), "pos": numpy["state"]["pos"]}}
     )
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"][0], device)
 
 
 _U64 = (1 << 64) - 1
@@ -70,4 +74,4 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     value = step_seed(seed, step, rank)
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(value)
+        torch.cuda.default_generators[device.index].manual_seed(value)  # resolve_device: always indexed

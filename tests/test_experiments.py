@@ -111,7 +111,7 @@ def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path):
 
 @pytest.mark.slow
 def test_accumulation_sweep_runs_k_1_2_4_8_at_one_global_batch_without_dash_m(tmp_path):
-    # Two ranks: the per-device batch divides by the world size too (${oc.env:WORLD_SIZE}).
+    # Two ranks: the per-device batch divides by the world size too (${world_size:}).
     sweep = tmp_path / "sweep"
     proc = run_train(
         tmp_path / "unused",

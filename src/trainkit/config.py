@@ -27,7 +27,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, schema
+from trainkit import schema
 
 
 class ConfigError(ValueError):
@@ -49,6 +49,12 @@ def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     return error
 
 
+def remove_if_empty(directory: Path) -> None:
+    """Hydra makes the run dir before the task starts: a refused run leaves none behind."""
+    with contextlib.suppress(OSError):
+        directory.rmdir()  # only when empty
+
+
 ERROR_FILE = "error.txt"  # a failed run's (or sweep job's) one-line error, in its run dir
 
 
@@ -58,8 +64,7 @@ def record_failure(run_dir: Path, error: ConfigError | RunError, sweep: bool) ->
     its overrides, so the sweep's end and scripts/report.py name the job. A run that failed while
     training (RunError) keeps its error beside its metrics."""
     if isinstance(error, ConfigError) and not sweep:
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()  # only when empty
+        remove_if_empty(run_dir)
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).write_text(f"{error}\n")
@@ -84,6 +89,8 @@ class SweepErrors(Callback):
         failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not failed:
             return
+        from trainkit import dist
+
         if dist.env_rank() == 0:
             for path in failed:
                 overrides_file = path.parent / ".hydra" / "overrides.yaml"
@@ -120,8 +127,16 @@ def run_stamp() -> str:
 # use_cache: a submitit task re-resolves hydra.sweep.dir in its own process; the cached stamp
 # travels with the pickled config, so every job lands in the launching process's sweep dir.
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
-# ${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit; 1 alone).
-OmegaConf.register_new_resolver("world_size", lambda: dist.env_world_size(), replace=True)
+
+
+def world_size() -> int:
+    """${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit; 1 alone)."""
+    from trainkit import dist  # here: dist imports this module (ConfigError)
+
+    return dist.env_world_size()
+
+
+OmegaConf.register_new_resolver("world_size", world_size, replace=True)
 schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 

@@ -83,10 +83,10 @@ def torchvision_splits(name: str, root: str, download: bool, augment: bool = Fal
         ) from None
 
 
-def micro_batch(global_batch: int, steps: int, world_size: int | str = 1) -> int:
+def micro_batch(global_batch: int, steps: int | None, world_size: int | str = 1) -> int:
     """${micro_batch:<global batch>,<K>,<world size>}: the per-device batch that keeps the global
-    batch fixed whatever K and the world size (conf/experiment/accumulation_sweep.yaml)."""
-    per_step = int(steps) * int(world_size)
+    batch fixed whatever K (null: 1) and the world size (conf/experiment/accumulation_sweep.yaml)."""
+    per_step = int(steps or 1) * int(world_size)
     if int(global_batch) % per_step:
         raise ConfigError(
             f"micro_batch: the global batch {global_batch} is not a multiple of K x world size = {steps} x {world_size}"

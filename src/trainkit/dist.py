@@ -200,8 +200,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def env_world_size() -> int:
     """The job's world size before any process group exists (torchrun's, submitit's, else 1)."""
-    task = submitit_task()
-    return task.world_size if task else int(os.environ.get("WORLD_SIZE", "1"))
+    return place().world_size
 
 
 def init(backend: str = "auto", device: str = "auto", timeout_s: float = 600, job: int = 0) -> Dist:

@@ -206,6 +206,7 @@ def test_nan_raise_leaves_no_evaluation_row_of_a_non_finite_step(tmp_path):
     )
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["val/loss"]) for r in rows)
+    assert (tmp_path / "error.txt").read_text() == proc.stderr.removeprefix("error: ")  # for report.py
 
 
 @pytest.mark.slow

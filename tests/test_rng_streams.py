@@ -3,6 +3,7 @@ augmentation on (seed, epoch, rank, micro-batch); never on where a batch was loa
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -106,3 +107,16 @@ def test_a_resume_that_cannot_be_exact_is_refused_naming_the_setting(no_workers,
     (tmp_path / "checkpoints" / name).write_bytes((no_workers / "checkpoints" / name).read_bytes())
     with pytest.raises(ConfigError, match="written with data.drop_last=False, this run has data.drop_last=True"):
         train_lm(tmp_path, "data.drop_last=true")
+
+
+def test_every_valid_seed_seeds_every_rank():
+    # seed + rank passes numpy's 2**32 - 1 for the largest seed on rank 1: it must still seed (the
+    # crash was rank 1's alone), and differently from rank 0.
+    from trainkit.config import MAX_SEED
+    from trainkit.rng import seed_all
+
+    draws = []
+    for rank in (0, 1):
+        seed_all(MAX_SEED + rank)
+        draws.append((torch.rand(2), np.random.rand(2)))
+    assert not torch.equal(draws[0][0], draws[1][0]) and not np.array_equal(draws[0][1], draws[1][1])

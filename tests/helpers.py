@@ -118,12 +118,12 @@ def run_in_process(
     """What `python src/<script>.py` (nproc=1) or `torchrun --nproc_per_node=<nproc>` (nproc > 1, or
     torchrun=True) does after Hydra composed the config, without starting interpreters that import
     torch: this process, or `nproc` forked ranks. For the tests that are about what training computes;
-    run_train keeps the command line itself (exit status, stderr, Hydra's run dir). Returns rank 0's
-    stdout; a failing rank raises."""
+    run_train keeps the command line itself (exit status, stderr, Hydra's run dir). Returns what the
+    ranks printed to stdout, in rank order (torchrun's stdout holds them all); a failing rank raises."""
     if nproc == 1 and not torchrun:
         return _entry_point(script, str(run_dir), overrides)
     importlib.import_module(script)  # once here, not in every forked rank
-    return run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False)[0]
+    return "".join(run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False))
 
 
 # A small BatchNorm model for the SyncBN equivalences: one process at b=32 against 2 ranks at b=16.

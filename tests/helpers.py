@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,9 +37,16 @@ START = os.environ.get("TRAINKIT_TEST_START", "fork")
 GROUP_TIMEOUT = timedelta(seconds=120)
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=sys.stderr, flush=True)
+
+
 def _worker(rank, world_size, port, fn, args, result_dir, group):
     # One intra-op thread, set first: a forked child must not use the parent's OpenMP pool (it hangs).
     torch.set_num_threads(1)
+    # Python warnings to stderr, as in a process of its own (a forked child inherits pytest's
+    # recording of them, which never reaches the test).
+    warnings.showwarning = _print_warning
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if group:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)

@@ -84,6 +84,8 @@ def compose_cfg(*overrides: str, config_name: str = "train"):
     """conf/<config_name>.yaml composed with the overrides, as @hydra.main composes it."""
     from hydra import compose, initialize_config_dir
 
+    import trainkit.config  # noqa: F401  registers the schema in Hydra's ConfigStore, as train.py's import does
+
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name, overrides=list(overrides))
 

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from helpers import ROOT, SYNC_BN, run_in_process, run_train
+from helpers import SYNC_BN, compose_cfg, run_in_process, run_train
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -17,11 +16,6 @@ def rows(run_dir: Path) -> list[dict]:
 
 def weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def compose_cfg(*overrides):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """Test helpers: run a function on W gloo ranks; run the real entry points as a user would."""
 
+import contextlib
+import importlib
+import io
 import os
 import signal
 import socket
@@ -7,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,30 +28,112 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+# fork: a forked worker starts in ~0.3 s with torch and the test module already imported; a spawned
+# one imports torch anew (~5 s a process, ~10 s for two on two busy cores). TRAINKIT_TEST_START=spawn
+# goes back to fresh interpreters (e.g. to rule fork out when a distributed test misbehaves).
+START = os.environ.get("TRAINKIT_TEST_START", "fork")
+# A collective on a loaded machine takes milliseconds to seconds; a hung one fails after this, and
+# run_distributed ends the processes after `timeout` (every test's own work is well under a minute).
+GROUP_TIMEOUT = timedelta(seconds=120)
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    print(warnings.formatwarning(message, category, filename, lineno, line), end="", file=sys.stderr, flush=True)
+
+
+def _worker(rank, world_size, port, fn, args, result_dir, group):
+    # One intra-op thread, set first: a forked child must not use the parent's OpenMP pool (it hangs).
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # Python warnings to stderr, as in a process of its own (a forked child inherits pytest's
+    # recording of them, which never reaches the test).
+    warnings.showwarning = _print_warning
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if group:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int = 2, *args):
-    """Run fn(rank, world_size, *args) on `world_size` spawned gloo processes (a real process
-    group, real collectives); returns the list of per-rank return values. fn must be a
-    module-level function (spawn pickles it)."""
+def run_distributed(fn, world_size: int = 2, *args, group: bool = True, timeout: float = 900):
+    """Run fn(rank, world_size, *args) on `world_size` forked gloo processes (a real process
+    group, real collectives; group=False: none, fn joins one itself); returns the list of per-rank
+    return values. fn must be a module-level function (picklable, for TRAINKIT_TEST_START=spawn).
+    A rank that hangs past `timeout` seconds ends them all and fails the test."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), fn, args, result_dir),
+            args=(world_size, _free_port(), fn, args, result_dir, group),
             nprocs=world_size,
-            join=True,
-            start_method="spawn",
+            join=False,
+            start_method=START,
         )
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"run_distributed({fn.__name__}): ranks still running after {timeout:g} s")
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def compose_cfg(*overrides: str, config_name: str = "train"):
+    """conf/<config_name>.yaml composed with the overrides, as @hydra.main composes it."""
+    from hydra import compose, initialize_config_dir
+
+    import trainkit.config  # noqa: F401  registers the schema in Hydra's ConfigStore, as train.py's import does
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
+    """What src/<script>.py's @hydra.main runs after composing, in this process; returns its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if script == "train":
+            import train
+
+            train.run(compose_cfg(*overrides), Path(run_dir))
+        else:  # predict: its main() less HydraConfig (the output dir is run_dir)
+            import predict
+            from trainkit import dist as trainkit_dist
+
+            cfg = compose_cfg(*overrides, config_name="predict")
+            try:
+                run_cfg = predict.load_run_config(cfg)
+                d = trainkit_dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+                Path(run_dir).mkdir(parents=True, exist_ok=True)
+                predict.run(cfg, run_cfg, d, Path(run_dir))
+                trainkit_dist.teardown(finished=True)
+            finally:
+                trainkit_dist.teardown()
+    return out.getvalue()
+
+
+def _torchrun_worker(rank: int, world_size: int, script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
+    # torchrun's environment for this worker (MASTER_ADDR/PORT: run_distributed's): trainkit.dist.init
+    # joins the process group from it as under torchrun.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    return _entry_point(script, run_dir, overrides)
+
+
+def run_in_process(
+    run_dir: Path, *overrides: str, nproc: int = 1, script: str = "train", torchrun: bool = False
+) -> str:
+    """What `python src/<script>.py` (nproc=1) or `torchrun --nproc_per_node=<nproc>` (nproc > 1, or
+    torchrun=True) does after Hydra composed the config, without starting interpreters that import
+    torch: this process, or `nproc` forked ranks. For the tests that are about what training computes;
+    run_train keeps the command line itself (exit status, stderr, Hydra's run dir). Returns what the
+    ranks printed to stdout, in rank order (torchrun's stdout holds them all); a failing rank raises."""
+    if nproc == 1 and not torchrun:
+        return _entry_point(script, str(run_dir), overrides)
+    importlib.import_module(script)  # once here, not in every forked rank
+    return "".join(run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False))
 
 
 # A small BatchNorm model for the SyncBN equivalences: one process at b=32 against 2 ranks at b=16.

@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from helpers import ROOT, run_distributed, run_train
+from helpers import ROOT, run_distributed, run_in_process
 from trainkit import config  # noqa: F401  (registers the schema)
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.dist import Dist
@@ -198,7 +198,7 @@ E2E = [
 @pytest.mark.slow
 def test_fsdp_training_with_checkpointing_is_training_without(tmp_path):
     for checkpointing in ("false", "true"):
-        run_train(tmp_path / checkpointing, *E2E, f"model.activation_checkpointing={checkpointing}", nproc=2)
+        run_in_process(tmp_path / checkpointing, *E2E, f"model.activation_checkpointing={checkpointing}", nproc=2)
     rows = {
         c: [json.loads(line) for line in (tmp_path / c / "metrics.jsonl").read_text().splitlines()]
         for c in ("false", "true")

@@ -14,7 +14,7 @@ from helpers import ROOT
 def run_script(*args: str) -> subprocess.CompletedProcess:
     """python <args> from the repository root, one thread per process; it must exit 0."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, assert_equal, run_train, without_timings
+from helpers import ROOT, assert_equal, run_in_process, run_train, without_timings
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
 from trainkit.config import ConfigError
@@ -211,7 +211,7 @@ def test_nan_raise_leaves_no_evaluation_row_of_a_non_finite_step(tmp_path):
 
 @pytest.mark.slow
 def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
-    run_train(tmp_path, *NAN, "trainer.on_nonfinite=skip", *faulty("nan", 5, 1, tmp_path / "m"), nproc=2, timeout=180)
+    run_in_process(tmp_path, *NAN, "trainer.on_nonfinite=skip", *faulty("nan", 5, 1, tmp_path / "m"), nproc=2)
     log = rows(tmp_path)
     assert [r["skipped_steps"] for r in log if "loss" in r] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert math.isnan(log[4]["loss"]) and all(math.isfinite(r["loss"]) for i, r in enumerate(log) if i != 4)
@@ -296,7 +296,7 @@ def test_fp16_overflow_is_gradscalers_skip_the_schedule_waits_and_the_row_leaves
 
 @pytest.mark.slow
 def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
-    run_train(tmp_path, "trainer.max_steps=5", "model.width=16")
+    run_in_process(tmp_path, "trainer.max_steps=5", "model.width=16")  # the finished run; then the CLI refuses
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     mtimes = {p: p.stat().st_mtime_ns for p in before}
     for overrides, message in [

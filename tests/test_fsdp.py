@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import ROOT, SYNC_BN, assert_equal, run_distributed, run_train, without_timings
+from helpers import ROOT, SYNC_BN, assert_equal, run_distributed, run_in_process, without_timings
 from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, full_state_dict, restore, snapshot
@@ -251,7 +251,7 @@ def test_fsdp_accumulates_locally_reduces_once_evaluates_like_one_process_and_ch
         assert result["checkpoint"] == {"params": True, "optimizer": True, "lr": True, "buffers": True}
 
 
-# --- end to end: src/train.py under torchrun ---------------------------------------------------
+# --- end to end: what src/train.py runs under torchrun (forked ranks) ---------------------------------
 
 # One epoch of digits with a validation split of 353 (train 1444): 45 global batches of 32 and a
 # short last one of 4, AdamW, cosine warmup, clipping. The evaluation shards of 177 and 176
@@ -273,7 +273,7 @@ FSDP_K2_B8 = ["parallel=fsdp", "data.batch_size=8", "accumulation.steps=2"]
 @pytest.fixture(scope="module")
 def single_b32(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
-    run_train(run_dir, *EPOCH, "data.batch_size=32")
+    run_in_process(run_dir, *EPOCH, "data.batch_size=32")
     return run_dir
 
 
@@ -281,7 +281,7 @@ def single_b32(tmp_path_factory):
 def fsdp_no_sync(tmp_path_factory):
     """Also the uninterrupted run of the resume tests: checkpoints at 20, 40 and 46 stay."""
     run_dir = tmp_path_factory.mktemp("fsdp")
-    run_train(run_dir, *EPOCH, *FSDP_K2_B8, "checkpoint.every=20", "checkpoint.keep=5", nproc=2)
+    run_in_process(run_dir, *EPOCH, *FSDP_K2_B8, "checkpoint.every=20", "checkpoint.keep=5", nproc=2)
     return run_dir
 
 
@@ -315,7 +315,7 @@ def test_fsdp_two_ranks_k2_b8_no_sync_equal_one_process_b32(single_b32, fsdp_no_
 
 @pytest.mark.slow
 def test_fsdp_two_ranks_k2_b8_sync_each_batch_equal_one_process_b32(single_b32, tmp_path):
-    run_train(tmp_path, *EPOCH, *FSDP_K2_B8, "accumulation=sync_each_batch", nproc=2)
+    run_in_process(tmp_path, *EPOCH, *FSDP_K2_B8, "accumulation=sync_each_batch", nproc=2)
     _equivalence(single_b32, tmp_path, 2.0)
 
 
@@ -329,8 +329,8 @@ def _dcp(path: Path) -> dict:
 @pytest.mark.slow
 def test_fsdp_resume_from_a_dcp_checkpoint_is_bitwise(fsdp_no_sync, tmp_path):
     step_20 = fsdp_no_sync / "checkpoints" / "step_00000020"
-    proc = run_train(tmp_path, *EPOCH, *FSDP_K2_B8, f"checkpoint.resume={step_20}", "checkpoint.every=20", nproc=2)
-    assert f"resumed from {step_20} at step 20" in proc.stdout
+    out = run_in_process(tmp_path, *EPOCH, *FSDP_K2_B8, f"checkpoint.resume={step_20}", "checkpoint.every=20", nproc=2)
+    assert f"resumed from {step_20} at step 20" in out
     straight, resumed = weights(fsdp_no_sync), weights(tmp_path)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     a, b = (d / "checkpoints" / "step_00000046" for d in (fsdp_no_sync, tmp_path))
@@ -345,16 +345,16 @@ def test_fsdp_resume_from_a_dcp_checkpoint_is_bitwise(fsdp_no_sync, tmp_path):
 def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_path):
     step_20 = fsdp_no_sync / "checkpoints" / "step_00000020"
     # The same global batch of 32: 1 rank x 8 x K=4. DCP reshards the model and optimizer state.
-    proc = run_train(
+    out = run_in_process(
         tmp_path,
         *EPOCH,
         "parallel=fsdp",
         "data.batch_size=8",
         "accumulation.steps=4",
         f"checkpoint.resume={step_20}",
-        torchrun=("--nnodes=1",),
+        torchrun=True,  # one rank under torchrun: parallel=fsdp needs it
     )
-    assert "written by 2 ranks, now 1; per-rank RNG streams re-seeded" in proc.stdout
+    assert "written by 2 ranks, now 1; per-rank RNG streams re-seeded" in out
     diff = max_diff(weights(tmp_path), weights(fsdp_no_sync))
     print(f"max |resumed on 1 rank - 2 ranks| = {diff:.2e}")
     assert diff < 1e-5
@@ -365,8 +365,8 @@ def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_pa
 
 @pytest.mark.slow
 def test_fsdp_with_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(tmp_path):
-    run_train(tmp_path / "single", *SYNC_BN, "data.batch_size=32")
-    run_train(tmp_path / "fsdp", *SYNC_BN, "data.batch_size=16", "parallel=fsdp", "parallel.sync_bn=true", nproc=2)
+    run_in_process(tmp_path / "single", *SYNC_BN, "data.batch_size=32")
+    run_in_process(tmp_path / "fsdp", *SYNC_BN, "data.batch_size=16", "parallel=fsdp", "parallel.sync_bn=true", nproc=2)
     got, expected = weights(tmp_path / "fsdp"), weights(tmp_path / "single")
     assert [k for k in got if "running_mean" in k] == ["1.running_mean", "4.running_mean", "8.running_mean"]
     assert max_diff(got, expected) < 1e-5  # weights and running statistics of the global batch
@@ -374,7 +374,7 @@ def test_fsdp_with_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(tmp_pat
 
 @pytest.mark.slow
 def test_fsdp_resnet18_by_basic_block_with_sync_bn_and_accumulation(tmp_path):
-    run_train(
+    run_in_process(
         tmp_path,
         "model=resnet18",
         "data=fake",
@@ -396,7 +396,7 @@ def test_fsdp_resnet18_by_basic_block_with_sync_bn_and_accumulation(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_reduce_dtype_bf16_halves_the_bytes_and_stays_near_fp32(fsdp_no_sync, tmp_path):
-    run_train(tmp_path, *EPOCH, *FSDP_K2_B8, "parallel.reduce_dtype=bf16", nproc=2)
+    run_in_process(tmp_path, *EPOCH, *FSDP_K2_B8, "parallel.reduce_dtype=bf16", nproc=2)
     for full, half in zip(rows(fsdp_no_sync), rows(tmp_path), strict=True):
         assert half["comm/grad_bytes"] == full["comm/grad_bytes"] / 2  # reduce-scattered in bf16
         assert half["loss"] == pytest.approx(full["loss"], rel=2e-2)

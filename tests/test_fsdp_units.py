@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_train
+from helpers import run_in_process
 from trainkit.config import ConfigError
 from trainkit.models import cnn, gpt, mlp, resnet18
 from trainkit.parallel import fsdp_units
@@ -82,8 +82,8 @@ TINY_GPT = [
 
 
 def test_the_gpt_shards_with_no_extra_keys_and_equals_one_process(tmp_path):
-    run_train(tmp_path / "single", *TINY_GPT, "data.batch_size=16")
-    run_train(tmp_path / "fsdp", *TINY_GPT, "data.batch_size=8", "parallel=fsdp", nproc=2)
+    run_in_process(tmp_path / "single", *TINY_GPT, "data.batch_size=16")
+    run_in_process(tmp_path / "fsdp", *TINY_GPT, "data.batch_size=8", "parallel=fsdp", nproc=2)
     single, fsdp = weights(tmp_path / "single"), weights(tmp_path / "fsdp")
     assert single.keys() == fsdp.keys() == gpt(vocab_size=14, block_size=24).state_dict().keys()
     for key in single:

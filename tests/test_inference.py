@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
-from helpers import run_distributed, run_train
+from helpers import run_distributed, run_in_process, run_train
+from trainkit.config import ConfigError
 from trainkit.data import ContiguousSampler, digits, eval_loader, shard_bounds
 from trainkit.dist import Dist
 from trainkit.inference import gather, predict
@@ -88,18 +89,18 @@ def test_gather_and_predict_on_3_ranks_equal_one_process_in_dataset_order():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("train")
-    run_train(run_dir, "parallel=ddp", "model=cnn", "trainer.max_steps=30", nproc=2)
+    run_in_process(run_dir, "parallel=ddp", "model=cnn", "trainer.max_steps=30", nproc=2)
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def predicted(trained, tmp_path_factory) -> dict:
-    """predict.py on 1, 2 and 3 ranks: world size -> (its run dir, its stdout)."""
+    """predict.py on 1, 2 and 3 ranks: world size -> (its run dir, its stdout: every rank's)."""
     out = {}
     for world_size in (1, 2, 3):
         run_dir = tmp_path_factory.mktemp(f"predict{world_size}")
-        proc = run_train(run_dir, f"run_dir={trained}", "predict.probs=true", nproc=world_size, script="src/predict.py")
-        out[world_size] = run_dir, proc.stdout
+        stdout = run_in_process(run_dir, f"run_dir={trained}", "predict.probs=true", nproc=world_size, script="predict")
+        out[world_size] = run_dir, stdout
     return out
 
 
@@ -149,24 +150,35 @@ def _broken_run(trained: Path, tmp: Path, kind: str) -> Path:
     return run_dir
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "case,message",
-    [
-        ("missing", "does not exist"),
-        ("no_model", "has no model.pt: not a finished training run"),
-        ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
-        ("split", "split=test is not one of: train, val"),
-    ],
-)
-def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
-    overrides = {
+CASES = [
+    ("missing", "does not exist"),
+    ("no_model", "has no model.pt: not a finished training run"),
+    ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
+    ("split", "split=test is not one of: train, val"),
+]
+
+
+def _bad_overrides(trained: Path, tmp_path: Path, case: str) -> list[str]:
+    return {
         "missing": [f"run_dir={tmp_path / 'nope'}"],
         "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
         "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
         "split": [f"run_dir={trained}", "split=test"],
     }[case]
-    proc = run_train(tmp_path / "out", *overrides, script="src/predict.py", check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,message", CASES)
+def test_bad_run_dir_is_refused_naming_the_problem(trained, tmp_path, case, message):
+    with pytest.raises(ConfigError) as error:
+        run_in_process(tmp_path / "out", *_bad_overrides(trained, tmp_path, case), script="predict")
+    assert message in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,message", [CASES[0], CASES[2]])  # before and after the process group
+def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
+    proc = run_train(tmp_path / "out", *_bad_overrides(trained, tmp_path, case), script="src/predict.py", check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr

@@ -34,12 +34,12 @@ def run_submitit(
         "-m",
         "hydra/launcher=submitit_local",
         "hydra.launcher.tasks_per_node=2",
-        "hydra.launcher.timeout_min=3",
+        "hydra.launcher.timeout_min=10",
         f"hydra.sweep.dir={sweep_dir or tmp}",
         "parallel.timeout_s=60",
         *tiny,
         *overrides,
-        timeout=240,
+        timeout=900,
         check=check,
     )
 
@@ -113,7 +113,7 @@ def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path, run_d
         for _ in range(2)
     ]
     try:
-        outputs = [agent.communicate(timeout=180)[0] for agent in agents]
+        outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     finally:
         for agent in agents:  # a hung agent and its worker: end the whole session
             if agent.poll() is None:

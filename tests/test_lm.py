@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_train, without_timings
+from helpers import run_in_process, without_timings
 from trainkit.addition import IGNORE, Problems, decode, operand_lengths, splits
 from trainkit.models import gpt
 from trainkit.tasks import LanguageModel
@@ -89,7 +89,7 @@ ADDITION = [
 @pytest.fixture(scope="module")
 def single_addition(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("addition")
-    run_train(run_dir, *ADDITION, "data.batch_size=32")
+    run_in_process(run_dir, *ADDITION, "data.batch_size=32")
     return run_dir
 
 
@@ -97,7 +97,9 @@ def single_addition(tmp_path_factory):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_k2_b8_equal_one_process_b32_token_for_token(single_addition, tmp_path, parallel):
     extra = ["parallel.shard_units=[Block]"] if parallel == "fsdp" else []
-    run_train(tmp_path, *ADDITION, "data.batch_size=8", "accumulation.steps=2", f"parallel={parallel}", *extra, nproc=2)
+    run_in_process(
+        tmp_path, *ADDITION, "data.batch_size=8", "accumulation.steps=2", f"parallel={parallel}", *extra, nproc=2
+    )
     single, ranks = rows(single_addition), rows(tmp_path)
     assert len(single) == len(ranks) == 10 and single[-1]["samples"] == 300
     for a, b in zip(single, ranks, strict=True):
@@ -111,7 +113,7 @@ def test_two_ranks_k2_b8_equal_one_process_b32_token_for_token(single_addition, 
 
 @pytest.mark.slow
 def test_the_usual_per_micro_batch_mean_is_far_from_it(single_addition, tmp_path):
-    run_train(
+    run_in_process(
         tmp_path,
         *ADDITION,
         "data.batch_size=8",
@@ -130,7 +132,7 @@ def test_predict_decodes_greedily_and_writes_identical_files_on_1_2_3_ranks(sing
     files = {}
     for world_size in (1, 2, 3):
         out = tmp_path / str(world_size)
-        run_train(out, f"run_dir={single_addition}", "batch_size=16", nproc=world_size, script="src/predict.py")
+        run_in_process(out, f"run_dir={single_addition}", "batch_size=16", nproc=world_size, script="predict")
         files[world_size] = (out / "predictions.csv").read_bytes(), (out / "metrics.json").read_text()
     assert files[1] == files[2] == files[3]
     lines = files[1][0].decode().splitlines()

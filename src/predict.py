@@ -134,20 +134,27 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
 
 @hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run_cfg = load_run_config(cfg)  # before the process group: fail fast, on every rank alike
-        d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
-        accuracy = run(cfg, run_cfg, d, Path(HydraConfig.get().runtime.output_dir))
-        dist.teardown(finished=True)  # before the interpreter exits, see teardown
-        return accuracy
+        return predict_run(cfg, out_dir)
     except Exception as error:
         if (known := user_error(error)) is None:
             raise
         if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
-            config.remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
+            config.remove_if_empty(out_dir)
         dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
     finally:
         dist.teardown()
+
+
+def predict_run(cfg: DictConfig, out_dir: Path) -> float:
+    """Load the run's config (before the process group: fail fast, on every rank alike), join the
+    process group, predict into `out_dir`."""
+    run_cfg = load_run_config(cfg)
+    d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+    accuracy = run(cfg, run_cfg, d, out_dir)
+    dist.teardown(finished=True)  # before the interpreter exits, see teardown
+    return accuracy
 
 
 if __name__ == "__main__":

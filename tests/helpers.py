@@ -98,17 +98,13 @@ def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
             import train
 
             train.run(compose_cfg(*overrides), Path(run_dir))
-        else:  # predict: its main() less HydraConfig (the output dir is run_dir)
+        else:  # predict: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
             import predict
             from trainkit import dist as trainkit_dist
 
-            cfg = compose_cfg(*overrides, config_name="predict")
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             try:
-                run_cfg = predict.load_run_config(cfg)
-                d = trainkit_dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
-                Path(run_dir).mkdir(parents=True, exist_ok=True)
-                predict.run(cfg, run_cfg, d, Path(run_dir))
-                trainkit_dist.teardown(finished=True)
+                predict.predict_run(compose_cfg(*overrides, config_name="predict"), Path(run_dir))
             finally:
                 trainkit_dist.teardown()
     return out.getvalue()

@@ -76,6 +76,10 @@ CATALOGUE = [
         "accumulation.steps=1 disagrees with accumulation.global_batch_size=64: 64 / (data.batch_size x world size "
         "= 32 x 1) = 2 micro-batches per step; set one of them",
     ),
+    (
+        ["+experiment=accumulation_sweep", "accumulation.steps=3"],
+        "data.batch_size: micro_batch: the global batch 32 is not a multiple of K x world size = 3 x 1",
+    ),
     # The model, the data and the task disagree (each would fail at the first forward).
     (
         ["+experiment=addition_gpt", "data.block_size=5"],

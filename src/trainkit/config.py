@@ -214,8 +214,10 @@ def check(cfg: DictConfig) -> None:
     try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
-        cause = error.__cause__  # a resolver's own ConfigError (e.g. ${micro_batch:}) says it best
-        text = str(cause) if isinstance(cause, ConfigError) else str(error.msg).splitlines()[0]
+        cause: BaseException | None = error  # a resolver's own ConfigError (e.g. ${micro_batch:}) says it best
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__  # OmegaConf re-raises it wrapped, twice
+        text = str(cause) if cause is not None else str(error.msg).splitlines()[0]
         raise ConfigError(f"{error.full_key}: {text}") from None
     if not 0 <= cfg.seed <= MAX_SEED:  # numpy's range; SeedSequence refuses negative seeds
         raise ConfigError(f"seed={cfg.seed} must be an integer in [0, {MAX_SEED}]")

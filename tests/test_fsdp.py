@@ -354,7 +354,7 @@ def test_fsdp_resume_on_one_rank_continues_the_two_rank_run(fsdp_no_sync, tmp_pa
         f"checkpoint.resume={step_20}",
         torchrun=True,  # one rank under torchrun: parallel=fsdp needs it
     )
-    assert "written by 2 ranks, now 1; per-rank RNG streams re-seeded" in out
+    assert "written by 2 ranks, now 1 (the same global batch); per-rank RNG streams re-seeded" in out
     diff = max_diff(weights(tmp_path), weights(fsdp_no_sync))
     print(f"max |resumed on 1 rank - 2 ranks| = {diff:.2e}")
     assert diff < 1e-5

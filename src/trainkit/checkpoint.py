@@ -200,10 +200,15 @@ def check_compatible(saved: dict, current: dict) -> None:
     `saved` and `current` map setting names to values (train.py's `identity`)."""
     for key in current:
         if saved.get(key) != current[key]:
+            hint = (
+                f"; on another world size set accumulation.global_batch_size={saved[key]} (K adapts)"
+                if key == "global_batch"
+                else ""
+            )
             raise ConfigError(
                 f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "
                 f"this run has {key}={current[key]}; exact resume needs the same "
-                "(or choose another hydra.run.dir)"
+                f"(or choose another hydra.run.dir){hint}"
             )
 
 
@@ -269,10 +274,12 @@ def snapshot(
 def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) -> None:
     """Load a checkpoint's state into the objects of a fresh run (`model` unwrapped).
 
-    Single/DDP checkpoints need the same world size. FSDP ones (DCP) load on any: DCP reshards
-    the model and optimizer state; rank 0 carries on the loss sums of the current log row; each
-    rank's RNG streams (dropout) are re-seeded from (seed, step, rank) - deterministic, but not
-    the streams an uninterrupted run would have drawn."""
+    A checkpoint loads on any world size with the same global batch (train.py's identity; K
+    adapts): step s trains on the same global samples whatever the world size (the epoch's
+    windows are [sG, (s+1)G) of one permutation), the model and optimizer state are every rank's
+    (single/DDP) or resharded by DCP (FSDP), and rank 0 carries on the loss sums of the current
+    log row. What cannot be mapped is each rank's RNG streams (dropout draws per (seed, step,
+    rank)): re-seeded from (seed, step, rank), deterministic, and said once."""
     sharded, saved_world = isinstance(model, FSDPModule), len(state["ranks"])
     if state["sharded"] != sharded:
         raise ConfigError(
@@ -286,12 +293,6 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
         dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=state["path"])
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     else:
-        if saved_world != d.world_size:
-            raise ConfigError(
-                f"checkpoint.resume: {state['path']} was written by {saved_world} ranks, this run "
-                f"has {d.world_size}; per-rank RNG streams cannot be mapped exactly (use the same "
-                "world size, or parallel=fsdp, whose checkpoints load on any)"
-            )
         load_model(model, state["model"], state["path"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -310,7 +311,10 @@ def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) ->
     seed_all(
         int(np.random.SeedSequence([state["identity"]["seed"], state["progress"]["step"], d.rank]).generate_state(1)[0])
     )
-    d.print0(f"checkpoint.resume: written by {saved_world} ranks, now {d.world_size}; per-rank RNG streams re-seeded")
+    d.print0(
+        f"checkpoint.resume: written by {saved_world} ranks, now {d.world_size} (the same global batch); "
+        "per-rank RNG streams re-seeded from (seed, step, rank)"
+    )
 
 
 def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:

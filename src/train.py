@@ -77,6 +77,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         comm_hook=cfg.parallel.comm_hook,
         static_graph=cfg.parallel.static_graph,
         reduce_dtype=cfg.parallel.reduce_dtype,
+        replicate=cfg.parallel.replicate,
         compile=cfg.trainer.compile,
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks

@@ -137,6 +137,18 @@ def world_size() -> int:
 
 
 OmegaConf.register_new_resolver("world_size", world_size, replace=True)
+
+
+def nodes() -> int:
+    """${nodes:}: the job's nodes, world size / processes per node (torchrun's LOCAL_WORLD_SIZE,
+    submitit's tasks per node); 1 alone. parallel=hsdp's replicas."""
+    from trainkit import dist
+
+    place = dist.place()
+    return max(1, place.world_size // place.local_world_size)
+
+
+OmegaConf.register_new_resolver("nodes", nodes, replace=True)
 schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 
@@ -238,6 +250,12 @@ def check(cfg: DictConfig) -> None:
     _optional_positive("parallel.bucket_cap_mb", cfg.parallel.bucket_cap_mb)
     _one_of("parallel.comm_hook", cfg.parallel.comm_hook, COMM_HOOKS)
     _one_of("parallel.reduce_dtype", cfg.parallel.reduce_dtype, REDUCE_DTYPES)
+    _positive_int("parallel.replicate", cfg.parallel.replicate)
+    if cfg.parallel.replicate != 1 and cfg.parallel.mode != "fsdp":  # R replicas of a sharded model: FSDP2's mesh
+        raise ConfigError(
+            f"parallel.replicate={cfg.parallel.replicate} needs parallel=fsdp (HSDP: R replicas x W/R shards); "
+            f"this run has parallel={cfg.parallel.mode}"
+        )
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     _optional_positive_int("data.prefetch_factor", cfg.data.get("prefetch_factor"))
     # Values that _target_ constructors would reject with a traceback (or accept silently).

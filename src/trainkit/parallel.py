@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -80,6 +80,7 @@ def wrap(
     comm_hook: str = "none",
     static_graph: bool = False,
     reduce_dtype: str = "fp32",
+    replicate: int = 1,
     compile: bool = False,
 ) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
@@ -87,10 +88,11 @@ def wrap(
     torch's default, 25), `comm_hook` (none, or fp16/bf16 compression) and `static_graph` (the
     same parameters get gradients every step: DDP skips searching the graph for unused ones).
     FSDP only: `shard_units`, `reshard_after_forward`, `reduce_dtype` (fp32 or bf16: the dtype
-    gradients are reduce-scattered in) and `precision` (bf16 on CUDA: bf16 parameters in
-    forward and backward). `compile`: torch.compile in place before wrapping (the state_dict keeps
-    its names), the whole model; under FSDP each shard unit's forward, per unit as torchtitan does
-    (FSDP2's hooks disable dynamo: a module compiled with its hooks ran eager, torch 2.14.1)."""
+    gradients are reduce-scattered in), `precision` (bf16 on CUDA: bf16 parameters in forward and
+    backward) and `replicate` (R > 1: HSDP, see fsdp_mesh). `compile`: torch.compile in place before
+    wrapping (the state_dict keeps its names), the whole model; under FSDP each shard unit's forward,
+    per unit as torchtitan does (FSDP2's hooks disable dynamo: a module compiled with its hooks ran
+    eager, torch 2.14.1)."""
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
@@ -111,15 +113,32 @@ def wrap(
         )
         model.register_comm_hook((stats, *_HOOKS[comm_hook]), _counting)
     elif mode == "fsdp":
-        mesh = init_device_mesh(d.device.type, (d.world_size,))  # on the current device: dist.init set it
+        mesh = fsdp_mesh(d, replicate)
         policy = mixed_precision(precision, d.device, reduce_dtype)
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
             if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
                 unit.forward = torch.compile(unit.forward)
             _shard(model, unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
-        _count_reduce_scatters(model, stats, d.world_size)
+        _count_reduce_scatters(model, stats, d.world_size // replicate, replicated=replicate > 1)
     return model, stats
+
+
+def fsdp_mesh(d: Dist, replicate: int = 1) -> DeviceMesh:
+    """FSDP2's device mesh (on the current device: dist.init set it). replicate=1: 1-D, every rank
+    holds 1/W. R > 1 (HSDP): (R, W/R), dims ("replicate", "shard"): ranks r*S .. r*S+S-1 (S = W/R)
+    shard one copy of the model among themselves, and the R copies are replicas. torchrun numbers
+    ranks node by node, so with R = the number of nodes the parameter all-gathers and gradient
+    reduce-scatters stay inside a node; only the 1/S gradient shards are all-reduced across nodes."""
+    if replicate < 1 or d.world_size % replicate:
+        raise ConfigError(
+            f"parallel.replicate={replicate} must divide the world size {d.world_size} (R replicas x W/R shards each)"
+        )
+    if replicate == 1:
+        return init_device_mesh(d.device.type, (d.world_size,))
+    return init_device_mesh(
+        d.device.type, (replicate, d.world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def mixed_precision(precision: str, device: torch.device, reduce_dtype: str = "fp32") -> MixedPrecisionPolicy:
@@ -200,12 +219,15 @@ def _shard(model: nn.Module, unit: nn.Module, **kwargs) -> None:
         ) from None
 
 
-def _count_reduce_scatters(model: nn.Module, stats: CommStats, world_size: int) -> None:
-    """Count FSDP2's gradient reduce-scatters where they happen.
+def _count_reduce_scatters(model: nn.Module, stats: CommStats, shards: int, replicated: bool = False) -> None:
+    """Count FSDP2's gradient reduce-scatters (and HSDP's all-reduces) where they happen.
 
     `FSDPModule.set_all_reduce_hook` (public API) runs the hook right after each unit's
     reduce-scatter, with this rank's shard of the reduced gradient: the unit reduced
-    shard x W bytes (its full gradient, dim 0 padded to a multiple of W). One backward
+    shard x S bytes (S = `shards`, the ranks sharing one copy: its full gradient, dim 0 padded to a
+    multiple of S). HSDP (`replicated`): FSDP2 runs the hook after its all-reduce of that shard
+    across the replicas (torch's foreach_reduce), so the round sent shard x S + shard bytes: a
+    reduce-scatter and an all-reduce, one gradient sync. One backward
     reduce-scatters every unit; its first hook call opens a round (one gradient sync), which
     stays open until autograd's final callback of that backward (the mechanism DDP and FSDP
     use themselves). No hook call: nothing was reduced (set_requires_gradient_sync(False)).
@@ -215,7 +237,7 @@ def _count_reduce_scatters(model: nn.Module, stats: CommStats, world_size: int) 
         stats.round_open = False
 
     def hook(shard: torch.Tensor) -> None:
-        stats.bytes += shard.numel() * shard.element_size() * world_size
+        stats.bytes += shard.numel() * shard.element_size() * (shards + replicated)
         if not stats.round_open:
             stats.round_open = True
             stats.syncs += 1

@@ -55,6 +55,7 @@ class Parallel:
     reduce_dtype: str = "fp32"  # FSDP
     shard_units: list[str] | None = None  # FSDP
     reshard_after_forward: bool = True  # FSDP
+    replicate: int = 1  # FSDP: R > 1 is HSDP (R replicas x W/R shards)
 
 
 @dataclass

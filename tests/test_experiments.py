@@ -170,7 +170,7 @@ def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
     batches = epoch(train, 0)
     assert not torch.equal(torch.cat(batches), torch.cat(epoch(plain, 0)))
     # The same draws in a loader worker and after a mid-epoch resume: torchvision's transforms draw
-    # from torch's RNG, which SeededBatches seeds per micro-batch.
+    # from torch's RNG, which SeededBatches seeds per sample from (seed, epoch, sample index).
     for got in (epoch(train, 2), [*batches[:2], *epoch(train, 0, start=2)]):
         assert all(torch.equal(a, b) for a, b in zip(got, batches, strict=True))
 

@@ -115,6 +115,23 @@ def test_a_sample_is_augmented_the_same_by_any_rank_world_size_micro_batch_or_wo
     assert not any(torch.equal(other[i], expected[i]) for i in expected)
 
 
+def test_only_a_data_set_that_may_draw_is_seeded_per_sample():
+    from trainkit.data import draws_random
+
+    class Declared(NoisyDigits):
+        draws_random = False  # wrongly, to see it believed: the loader seeds nothing for it
+
+    data = InMemory(torch.zeros(8, 1, 8, 8), torch.arange(8))
+    assert not draws_random(data) and draws_random(NoisyDigits(data))  # a data set that does not say: it may
+
+    def twice(dataset) -> list[torch.Tensor]:  # epoch 0 loaded twice, the global RNG going on between
+        loader = TrainLoader(dataset, CPU, 4, 0, seed=0, micro_batches=0)
+        return [torch.cat([x for x, _ in loader.epoch(0)]) for _ in range(2)]
+
+    assert torch.equal(*twice(NoisyDigits(data)))  # seeded per sample
+    assert not torch.equal(*twice(Declared(data)))  # not seeded: whatever the global RNG holds
+
+
 # 2 ranks x K2 x b8 against 1 process x K4 x b8 on randomly augmented digits (an mlp without dropout):
 # the same global batches of the same augmented samples, so the same weights (rule 16).
 AUGMENTED = [

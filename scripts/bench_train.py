@@ -11,7 +11,8 @@ side by side in one run, on the same model, data, optimizer, clipping and precis
 trainkit's figure is the samples/s of its last metrics row (log_every = steps / 2), so start-up,
 the final evaluation and checkpoint are left out; the plain loop is timed over the same second
 half of its steps. The difference is what trainkit adds per step: the sampler without padding,
-the per-batch seeds, the metrics sums and the exact loss normalisation.
+the per-sample seeds (for a data set that draws only: none for the default's in-memory digits),
+the metrics sums and the exact loss normalisation.
 """
 
 import argparse

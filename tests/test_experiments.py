@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from helpers import ROOT, run_in_process, run_train
 from trainkit import config
 from trainkit.config import ConfigError
-from trainkit.data import TrainLoader, micro_batch, torchvision_splits
+from trainkit.data import TrainLoader, draws_random, micro_batch, torchvision_splits
 from trainkit.dist import Dist
 from trainkit.tasks import Classification
 
@@ -159,6 +159,7 @@ def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
     _skip_md5()
     train, val = torchvision_splits("CIFAR10", str(cifar_root), download=False, augment=True)
     plain, plain_val = torchvision_splits("CIFAR10", str(cifar_root), download=False)
+    assert draws_random(train) and not any(map(draws_random, (val, plain, plain_val)))  # seeded per sample: train only
     torch.manual_seed(1)
     assert not torch.equal(train[0][0], plain[0][0])  # cropped/flipped: augmented
     assert all(torch.equal(val[i][0], plain_val[i][0]) for i in range(len(val)))  # validation: never
@@ -170,7 +171,7 @@ def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
     batches = epoch(train, 0)
     assert not torch.equal(torch.cat(batches), torch.cat(epoch(plain, 0)))
     # The same draws in a loader worker and after a mid-epoch resume: torchvision's transforms draw
-    # from torch's RNG, which SeededBatches seeds per micro-batch.
+    # from torch's RNG, which SeededBatches seeds per sample from (seed, epoch, sample index).
     for got in (epoch(train, 2), [*batches[:2], *epoch(train, 0, start=2)]):
         assert all(torch.equal(a, b) for a, b in zip(got, batches, strict=True))
 

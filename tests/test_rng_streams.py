@@ -1,5 +1,6 @@
 """What a random draw depends on (rule 15): the training stream (dropout) on (seed, step, rank), an
-augmentation on (seed, epoch, rank, micro-batch); never on where a batch was loaded."""
+augmentation on (seed, epoch, sample index); never on where a batch was loaded, nor on the rank, the
+micro-batch or the world size that loads a sample."""
 
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, NoisyDigits
+from helpers import ROOT, NoisyDigits, run_in_process
 from trainkit.data import InMemory, TrainLoader
 from trainkit.dist import Dist
 
@@ -84,6 +85,73 @@ def test_the_two_ranks_augment_differently_wherever_they_load():
     for rank in (0, 1):
         main, workers = (list(blank_digits_loader(rank, n).epoch(1)) for n in (0, 2))
         assert all(torch.equal(a[0], b[0]) for a, b in zip(main, workers, strict=True))
+
+
+def augmented_samples(world_size: int, batch_size: int, num_workers: int, epoch: int = 1) -> dict[int, torch.Tensor]:
+    """Sample index -> its augmented image, as the ranks of a world size load epoch `epoch` (each
+    sample's label is its index: NoisyDigits over blank images, so an image is its draws alone)."""
+    blank = NoisyDigits(InMemory(torch.zeros(37, 1, 8, 8), torch.arange(37)))
+    samples: dict[int, torch.Tensor] = {}
+    for rank in range(world_size):
+        d = Dist(rank, rank, world_size, torch.device("cpu"))
+        loader = TrainLoader(blank, d, batch_size, num_workers, seed=0, micro_batches=0)  # no empty batches
+        for x, index in loader.epoch(epoch):
+            samples.update(zip(index.tolist(), x, strict=True))
+    return samples
+
+
+def test_a_sample_is_augmented_the_same_by_any_rank_world_size_micro_batch_or_worker():
+    # Rule 16: 2 ranks x K2 x b8 and 1 x K4 x b8 must train on the same augmented samples, and a
+    # resume on another world size draw what the uninterrupted run drew.
+    expected = augmented_samples(1, 8, 0)
+    assert sorted(expected) == list(range(37)) and all(x.abs().sum() > 0 for x in expected.values())
+    for world_size, batch_size, num_workers in ((2, 8, 0), (2, 3, 2), (3, 5, 0), (1, 4, 2)):
+        got = augmented_samples(world_size, batch_size, num_workers)
+        assert got.keys() == expected.keys(), (world_size, batch_size, num_workers)
+        for i in expected:
+            assert torch.equal(got[i], expected[i]), (world_size, batch_size, num_workers, i)
+    # ... and another epoch draws anew for every sample.
+    other = augmented_samples(1, 8, 0, epoch=2)
+    assert not any(torch.equal(other[i], expected[i]) for i in expected)
+
+
+def test_only_a_data_set_that_may_draw_is_seeded_per_sample():
+    from trainkit.data import draws_random
+
+    class Declared(NoisyDigits):
+        draws_random = False  # wrongly, to see it believed: the loader seeds nothing for it
+
+    data = InMemory(torch.zeros(8, 1, 8, 8), torch.arange(8))
+    assert not draws_random(data) and draws_random(NoisyDigits(data))  # a data set that does not say: it may
+
+    def twice(dataset) -> list[torch.Tensor]:  # epoch 0 loaded twice, the global RNG going on between
+        loader = TrainLoader(dataset, CPU, 4, 0, seed=0, micro_batches=0)
+        return [torch.cat([x for x, _ in loader.epoch(0)]) for _ in range(2)]
+
+    assert torch.equal(*twice(NoisyDigits(data)))  # seeded per sample
+    assert not torch.equal(*twice(Declared(data)))  # not seeded: whatever the global RNG holds
+
+
+# 2 ranks x K2 x b8 against 1 process x K4 x b8 on randomly augmented digits (an mlp without dropout):
+# the same global batches of the same augmented samples, so the same weights (rule 16).
+AUGMENTED = [
+    "data.splits._target_=helpers.noisy_digits",
+    "data.batch_size=8",
+    "model.width=32",
+    "trainer.max_steps=6",
+    "trainer.log_every=3",
+    "trainer.eval_every=1000",
+    "checkpoint.every=1000",
+]
+
+
+def test_augmented_training_is_world_size_invariant(tmp_path):
+    run_in_process(tmp_path / "one", *AUGMENTED, "accumulation.steps=4")
+    run_in_process(tmp_path / "two", *AUGMENTED, "accumulation.steps=2", nproc=2)
+    one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
+    print(f"max |weights(2 x K2 x b8) - weights(1 x K4 x b8)| {max_diff(one, two):.2e}")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
 def test_the_training_stream_is_seeded_by_seed_step_and_rank_alone():

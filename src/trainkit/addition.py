@@ -45,6 +45,8 @@ class Problems(Dataset):
     """Each item: (input tokens, target tokens) as 1-d long tensors of one length; targets are
     IGNORE except under the answer and the end token. `collate_fn` pads a batch."""
 
+    draws_random = False  # a problem is its operands: the loader seeds nothing per sample (data.draws_random)
+
     def __init__(self, pairs: np.ndarray):
         self.pairs = pairs  # (N, 2) operands
 

@@ -14,12 +14,21 @@ from torch.utils.data.dataloader import default_collate
 
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
-from trainkit.rng import seed_all
+from trainkit.rng import sample_seed, seed_all
+
+
+def draws_random(dataset: Dataset) -> bool:
+    """Whether loading a sample of `dataset` may draw from python's, numpy's or torch's global RNG
+    (a random augmentation): its `draws_random` attribute, and True for a data set without one (a
+    user's data set may draw). SeededBatches seeds the generators before each sample only where it may."""
+    return bool(getattr(dataset, "draws_random", True))
 
 
 class InMemory(TensorDataset):
     """A TensorDataset that loads a batch with one indexing per tensor (DataLoader calls
     `__getitems__`) instead of one per sample: for the default job that was a fifth of a step."""
+
+    draws_random = False  # tensors as they are: nothing to seed, and TrainLoader's fast path
 
     def __getitems__(self, indices: list[int]) -> list:
         return list(zip(*(tensor[indices] for tensor in self.tensors), strict=True))
@@ -46,7 +55,9 @@ def fake(train_size: int, val_size: int, shape, num_classes: int) -> tuple[Datas
     from torchvision import datasets, transforms
 
     def split(size, offset):
-        return datasets.FakeData(size, tuple(shape), num_classes, transforms.ToTensor(), random_offset=offset)
+        dataset = datasets.FakeData(size, tuple(shape), num_classes, transforms.ToTensor(), random_offset=offset)
+        dataset.draws_random = False  # it seeds (index + offset) itself and puts the state back
+        return dataset
 
     return split(train_size, 0), split(val_size, train_size)
 
@@ -56,7 +67,8 @@ _NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)), "CIFAR10": ((0.4914, 0.4822, 0.44
 
 def _augmentation(name: str) -> list:
     """The training split's random augmentation (data.augment=true). torchvision's transforms draw
-    from torch's global RNG, which SeededBatches seeds per micro-batch: resume stays exact."""
+    from torch's global RNG, which SeededBatches seeds per sample from (seed, epoch, sample index):
+    the same draws at any world size, micro-batch and worker, and after a resume."""
     from torchvision import transforms
 
     if name == "CIFAR10":  # the standard CIFAR recipe: pad 4 and crop back to 32, mirror half the images
@@ -72,7 +84,7 @@ def torchvision_splits(name: str, root: str, download: bool, augment: bool = Fal
     tensor = [transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])]
     train_transform = transforms.Compose((_augmentation(name) if augment else []) + tensor)
     try:
-        return tuple(
+        splits = tuple(
             getattr(datasets, name)(root, train=train, download=download, transform=transform)
             for train, transform in ((True, train_transform), (False, transforms.Compose(tensor)))
         )
@@ -81,6 +93,9 @@ def torchvision_splits(name: str, root: str, download: bool, augment: bool = Fal
             f"data.root={root} holds no {name} data: put the files there, point data.root "
             f"(or $TRAINKIT_DATA) at them, or pass data.download=true"
         ) from None
+    for split, draws in zip(splits, (augment, False), strict=True):
+        split.draws_random = draws  # without augmentation the files alone: no per-sample seeding to pay
+    return splits
 
 
 def micro_batch(global_batch: int, steps: int | None, world_size: int | str = 1) -> int:
@@ -133,16 +148,15 @@ class ContiguousSampler(Sampler[int]):
 
 class TrainBatches(Sampler[tuple[int, list[int]]]):
     """This rank's micro-batches of one epoch: DistributedSampler's shard of the epoch's
-    permutation without its padding repeats, cut into micro-batches, each with a seed.
+    permutation without its padding repeats, cut into micro-batches of `(epoch, indices)`.
 
     DistributedSampler pads the epoch to a multiple of the world size by repeating samples at
     the end of some ranks' shards. They are cut off here, so they never reach a forward: neither
     the loss nor BatchNorm statistics see them, and W ranks train exactly what one process does.
     Such a rank's last micro-batch is one sample short, or missing (the loop then runs an empty
     batch: every rank must run the same micro-steps). `start` skips micro-batches (a mid-epoch
-    resume) without loading them. Micro-batch j's seed: the j-th from (seed, epoch, rank). SeededBatches
-    seeds the RNGs with it before loading the batch, so random augmentation draws the same numbers
-    in whichever worker loads it, and again after a resume.
+    resume) without loading them. The epoch goes with the indices: SeededBatches seeds the RNGs
+    from (seed, epoch, sample index) before loading each sample of a data set that draws.
     """
 
     def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int):
@@ -157,7 +171,7 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
         )
         real = len(range(rank, num_samples, world_size))  # this rank's shard less the padding
         self.real, self.batches = real, math.ceil(real / batch_size)
-        self.batch_size, self.seed, self.rank, self.epoch, self.start = batch_size, seed, rank, 0, 0
+        self.batch_size, self.epoch, self.start = batch_size, 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -169,27 +183,31 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
 
     def __iter__(self):
         indices = self.order()
-        seeds = np.random.SeedSequence([self.seed, self.epoch, self.rank]).generate_state(self.batches).tolist()
         for j in range(self.start, self.batches):
-            yield seeds[j], indices[j * self.batch_size : (j + 1) * self.batch_size]
+            yield self.epoch, indices[j * self.batch_size : (j + 1) * self.batch_size]
 
     def __len__(self) -> int:
         return max(0, self.batches - self.start)
 
 
 class SeededBatches(Dataset):
-    """`dataset`, loaded a micro-batch at a time (TrainBatches' `(seed, indices)`) with python's,
-    numpy's and torch's CPU generators seeded by the batch's seed first.
+    """`dataset`, loaded a micro-batch at a time (TrainBatches' `(epoch, indices)`); for a data set
+    that draws (`draws_random`), python's, numpy's and torch's CPU generators are seeded from
+    (seed, epoch, sample index) before each sample.
 
-    Loader workers are persistent and their RNG streams are in no checkpoint; seeding per batch
-    makes what a random augmentation draws a function of the batch alone, with or without
-    workers. In the main process (num_workers=0) this re-seeds training's stream too: train.py
-    re-seeds it per optimizer step after the batches are fetched (rng.seed_step), so dropout does not
-    depend on where they were loaded. Nothing is saved and put back: that cost more than the rest of
-    a small model's step (numpy's state alone ~60 us)."""
+    What a random augmentation draws for a sample is then a function of that sample alone (rule 15):
+    not of the rank, the micro-batch or the loader worker that loads it (workers are persistent and
+    their RNG streams are in no checkpoint), so W ranks x K micro-batches train on the samples one
+    process does, and a resume, on any world size, draws what the uninterrupted run drew. Such a
+    data set is loaded a sample at a time (a `__getitems__` would draw for the batch at once). In the
+    main process (num_workers=0) the seeding re-seeds training's stream too: train.py re-seeds it
+    per optimizer step after the batches are fetched (rng.seed_step), so dropout does not depend on
+    where they were loaded. Nothing is saved and put back: that cost more than the rest of a small
+    model's step (numpy's state alone ~60 us). The seeding costs ~8 us a sample (a CIFAR crop, flip
+    and normalise ~120 us): a data set that draws nothing says so (`draws_random = False`) and pays nothing."""
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed, self.draws = dataset, seed, draws_random(dataset)
 
     def __len__(self) -> int:
         return length(self.dataset)
@@ -198,10 +216,16 @@ class SeededBatches(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, batch: tuple[int, list[int]]) -> list:
-        seed, indices = batch
-        seed_all(seed, cuda=False)  # data is loaded on the CPU: CUDA's streams (dropout on a GPU) go on untouched
-        load_batch = getattr(self.dataset, "__getitems__", None)  # a data set that loads a batch at once
-        return load_batch(indices) if load_batch is not None else [self.dataset[i] for i in indices]
+        epoch, indices = batch
+        if not self.draws:  # nothing random: the data set's own batch loading, if it has one
+            load_batch = getattr(self.dataset, "__getitems__", None)
+            return load_batch(indices) if load_batch is not None else [self.dataset[i] for i in indices]
+        samples = []
+        for i in indices:
+            # On the CPU: CUDA's streams (dropout on a GPU) go on untouched.
+            seed_all(sample_seed(self.seed, epoch, i), cuda=False)
+            samples.append(self.dataset[i])
+        return samples
 
 
 class TrainLoader:
@@ -209,7 +233,8 @@ class TrainLoader:
     per epoch, empty ones (the rank whose last micro-batch held only padding still runs it).
 
     An InMemory data set (tensors, nothing random to draw) is indexed a batch at a time without a
-    DataLoader: its machinery costs ~0.1 ms a batch, a tenth of the default job's step."""
+    DataLoader: its machinery costs ~0.1 ms a batch, a tenth of the default job's step. Any other
+    goes through a DataLoader over SeededBatches (per-sample seeds where the data set draws)."""
 
     def __init__(
         self,
@@ -225,7 +250,7 @@ class TrainLoader:
         self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed)
         self.collate = collate_fn(dataset)
         self.loader = DataLoader(
-            SeededBatches(dataset),
+            SeededBatches(dataset, seed),
             batch_sampler=self.sampler,
             collate_fn=self.collate,
             num_workers=num_workers,

@@ -54,21 +54,35 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 _U64 = (1 << 64) - 1
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A seed for (seed, step, rank): splitmix64's finaliser over the three (about 2 us; numpy's
-    SeedSequence takes 15). Distinct steps and ranks give unrelated seeds."""
+def _mix(*values: int) -> int:
+    """splitmix64's finaliser over the values, one after another (about 0.6 us a value; numpy's
+    SeedSequence takes 15 us): distinct tuples give unrelated 63-bit seeds (valid for every generator)."""
     x = 0
-    for value in (seed, step, rank):
+    for value in values:
         x = (x ^ (value & _U64)) * 0x9E3779B97F4A7C15 & _U64
         x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9 & _U64
         x ^= x >> 29
-    return x >> 1  # 63 bits: a valid seed for every generator
+    return x >> 1
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for (seed, step, rank): the training stream of one rank's optimizer step."""
+    return _mix(seed, step, rank)
+
+
+_SAMPLE = 0x73616D706C65  # "sample": sample seeds and step seeds of the same numbers are unrelated
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A seed for (seed, epoch, sample index): what loading sample `index` in `epoch` may draw (a
+    random augmentation), whichever rank, micro-batch or loader worker loads it."""
+    return _mix(_SAMPLE, seed, epoch, index)
 
 
 def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     """Re-seed the training stream (torch's CPU generator, and this device's on CUDA: what dropout
     draws from) for optimizer step `step`. Its draws then depend on (seed, step, rank) alone: not on
-    whether the batches were loaded in this process (a loader seeds the global generators per batch)
+    whether the batches were loaded in this process (a loader seeds the global generators per sample)
     or in a worker, nor on what they drew; a resume needs no RNG state for them. ~3 us a step
     (torch.manual_seed would also seed every CUDA device: ~250 us even without one)."""
     value = step_seed(seed, step, rank)

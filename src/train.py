@@ -147,8 +147,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 # is known before the first backward.
                 with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
                     micro = [next(batches) for _ in range(layout.micro_steps(window))]
-                # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a
-                # loader in this process re-seeds per batch, a worker does not): rule 15, and resume needs no RNG state.
+                # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
+                # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
                 seed_step(cfg.seed, step, d.rank, d.device)
                 samples = layout.window_samples(window)
                 items: int | torch.Tensor = samples

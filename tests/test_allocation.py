@@ -57,13 +57,18 @@ def assert_same_run(resumed: Path, reference: Path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The uninterrupted 12 steps on one rank and on two (DDP), each with its checkpoint at step 6."""
-    tmp = tmp_path_factory.mktemp("allocation")
-    run_in_process(tmp / "one", *RUN)
-    run_in_process(tmp / "two", *RUN, "parallel=ddp", nproc=2)
-    return {"one": tmp / "one", "two": tmp / "two"}
+AUGMENTED = "data.splits._target_=helpers.noisy_digits"  # random noise and shifts, per (seed, epoch, sample)
+
+
+@pytest.fixture(scope="module", params=["plain", "augmented"])
+def runs(request, tmp_path_factory) -> dict[str, Path | list[str]]:
+    """The uninterrupted 12 steps on one rank and on two (DDP), each with its checkpoint at step 6;
+    "augmented": every sample randomly augmented (what it draws must not depend on the allocation)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    data = [AUGMENTED] if request.param == "augmented" else []
+    run_in_process(tmp / "one", *RUN, *data)
+    run_in_process(tmp / "two", *RUN, *data, "parallel=ddp", nproc=2)
+    return {"one": tmp / "one", "two": tmp / "two", "data": data}
 
 
 @pytest.mark.slow
@@ -71,7 +76,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_a_ddp_checkpoint_resumes_on_another_world_size_and_ends_as_the_uninterrupted_run(
     runs, tmp_path, saved, resumed
 ):
-    out = resume(runs[saved], tmp_path / "resumed", "step_00000006.pt", nproc=resumed)
+    out = resume(runs[saved], tmp_path / "resumed", "step_00000006.pt", *runs["data"], nproc=resumed)
     written = 2 if saved == "two" else 1
     assert f"written by {written} ranks, now {resumed} (the same global batch)" in out
     assert f"{resumed} ranks x 8 micro-batch x {4 // resumed} accumulation" in out

@@ -180,7 +180,7 @@ def test_hsdp_checkpoint_resumes_on_one_process(hsdp, tmp_path):
     out = run_in_process(
         tmp_path, *STEPS, "parallel=fsdp", "data.batch_size=32", f"checkpoint.resume={step_8}", torchrun=True
     )  # one rank, a 1-D mesh: DCP reshards the (Replicate, Shard(0)) model and optimizer state
-    assert "written by 4 ranks, now 1; per-rank RNG streams re-seeded" in out
+    assert "written by 4 ranks, now 1 (the same global batch); per-rank RNG streams re-seeded" in out
     diff = max_diff(weights(tmp_path), weights(hsdp))
     print(f"max |resumed on 1 rank - HSDP 2x2| = {diff:.2e}")
     assert diff < 1e-5

@@ -105,6 +105,8 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
     batch_size = cfg.batch_size or run_cfg.data.batch_size
+    if batch_size == "auto":  # the run searched its micro-batch: start where its search started
+        batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
     # Contiguous shards: every sample exactly once, and rank order is dataset order.
     loader = eval_loader(dataset, d, batch_size, run_cfg.data.num_workers)
     model = instantiate(run_cfg.model)

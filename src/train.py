@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
+from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
 from trainkit.config import ConfigError
 from trainkit.data import TrainLoader, eval_loader
@@ -40,21 +41,26 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         train_set, val_set = instantiate(cfg.data.splits)
     if len(train_set) == 0:
         raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
-    K = config.accumulation_steps(cfg, d.world_size)
-    layout = EpochLayout(len(train_set), d.world_size, cfg.data.batch_size, K)
-    loader = TrainLoader(
-        train_set,
-        d,
-        cfg.data.batch_size,
-        cfg.data.num_workers,
-        cfg.seed,
-        layout.micro_batches,
-        cfg.data.get("pin_memory", True),  # .get: a data set's own yaml without the schema may leave them out
-        cfg.data.get("prefetch_factor"),
-    )
-    val_loader: Iterable = eval_loader(val_set, d, cfg.data.batch_size, cfg.data.num_workers)
-    if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
-        val_loader = EqualBatches(val_loader, d.world_size)
+    auto = AutoBatch(cfg, d)  # micro-batch b and K; data.batch_size=auto: b = global / W, halved on out of memory
+
+    def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader, Iterable]:  # again when auto halves b
+        layout = EpochLayout(len(train_set), d.world_size, b, K)
+        loader = TrainLoader(
+            train_set,
+            d,
+            b,
+            cfg.data.num_workers,
+            cfg.seed,
+            layout.micro_batches,
+            cfg.data.get("pin_memory", True),  # .get: a data set's own yaml without the schema may leave them out
+            cfg.data.get("prefetch_factor"),
+        )
+        val_loader: Iterable = eval_loader(val_set, d, b, cfg.data.num_workers)
+        if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
+            val_loader = EqualBatches(val_loader, d.world_size)
+        return layout, loader, val_loader
+
+    layout, loader, val_loader = data_for(auto.batch_size, auto.K)
     steps_per_epoch = layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -87,7 +93,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     precision = cfg.trainer.precision
     autocast = autocast_for(precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
-    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d)
+    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
+    auto.attach(unwrap(model))  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
 
@@ -117,6 +124,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             )
             return None
         restore(resumed, unwrap(model), optimizer, scheduler, scaler, meter, d)
+        auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
+        layout, loader, val_loader = data_for(auto.batch_size, auto.K)
         start = resumed["progress"]
         d.print0(f"resumed from {resumed['path']} at step {start['step']}")
         if changed := config.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
@@ -127,8 +136,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     d.print0(
         f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
         f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
-        f"global batch {layout.global_batch} = {d.world_size} ranks x {cfg.data.batch_size} micro-batch "
-        f"x {K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
+        f"global batch {layout.global_batch} = {d.world_size} ranks x {auto.batch_size} micro-batch "
+        f"x {auto.K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
     )
 
@@ -137,36 +146,46 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     with make_logger(run_dir, cfg, d.is_main, resumed) as logger, Progress(d.is_main, total_steps, step) as console:
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
-            batches = loader.epoch(epoch, start=first_window * K)  # set_epoch: a new permutation per epoch
+            batches = loader.epoch(epoch, start=first_window * auto.K)  # set_epoch: a new permutation per epoch
             model.train()
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                # One optimizer step: the global window of up to K micro-batches per rank, fetched
-                # first, so its number of loss-bearing items (samples; tokens for a sequence task)
-                # is known before the first backward.
-                with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
-                    micro = [next(batches) for _ in range(layout.micro_steps(window))]
-                # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
-                # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
-                seed_step(cfg.seed, step, d.rank, d.device)
-                samples = layout.window_samples(window)
-                items: int | torch.Tensor = samples
-                if task.items_name:  # counted in the data: one all-reduce of a number per step
-                    items = d.all_reduce_sum(sum(task.items(y) for _, y in micro).to(d.device, torch.float64))
-                # The gradient is the mean over the window's items of all ranks, also for a short
-                # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
-                scale = d.world_size / items
-                guard.start_window()  # on_nonfinite=skip: a dropped window must leave no trace
-                for k, batch in enumerate(micro):
-                    x, y = (t.to(d.device, non_blocking=True) for t in batch)
-                    # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
-                    # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
-                    with sync_context(model, syncs_now(cfg.accumulation.strategy, k, len(micro))):
-                        with autocast():
-                            loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
-                        scaler.scale(loss_sum * scale).backward()
-                    meter.add_micro_step(loss_sum)
+                while True:  # data.batch_size=auto: a window that ran out of memory runs again (auto.retry)
+                    # One optimizer step: the global window of up to K micro-batches per rank, fetched
+                    # first, so its number of loss-bearing items (samples; tokens for a sequence task)
+                    # is known before the first backward.
+                    with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
+                        micro = [next(batches) for _ in range(layout.micro_steps(window))]
+                    # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
+                    # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
+                    seed_step(cfg.seed, step, d.rank, d.device)
+                    samples = layout.window_samples(window)
+                    items: int | torch.Tensor = samples
+                    if task.items_name:  # counted in the data: one all-reduce of a number per step
+                        items = d.all_reduce_sum(sum(task.items(y) for _, y in micro).to(d.device, torch.float64))
+                    # The gradient is the mean over the window's items of all ranks, also for a short
+                    # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
+                    scale = d.world_size / items
+                    guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
+                    for k, batch in auto.micro_steps(micro):  # auto: up to this rank's out of memory
+                        x, y = (t.to(d.device, non_blocking=True) for t in batch)
+                        # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
+                        # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
+                        with sync_context(model, syncs_now(cfg.accumulation.strategy, k, len(micro))), auto.catching():
+                            with autocast():
+                                loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
+                            scaler.scale(loss_sum * scale).backward()
+                            meter.add_micro_step(loss_sum)
+                    if not auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
+                        break
+                    # Drop what the attempt touched; the same window again with half the micro-batch, twice K:
+                    # the same samples and dropout draws, so the run is the one with that micro-batch throughout.
+                    optimizer.zero_grad(set_to_none=True)
+                    guard.put_back_buffers()
+                    meter.window_loss.zero_()
+                    layout, loader, val_loader = data_for(auto.batch_size, auto.K)
+                    batches = loader.epoch(epoch, start=window * auto.K)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor over the gradient shards
@@ -192,7 +211,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 if log_now or eval_now or save_now:
                     guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 if log_now:
-                    row |= meter.row() | {"lr": lr}
+                    row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
                     console.row(row["loss"], lr, row["samples_per_s"])
                     console.print(
                         f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
@@ -223,7 +242,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                                 settings,
                                 logger.run_id,
                                 d,
-                            ),
+                            )
+                            | {"autobatch": auto.state_dict()},  # the found micro-batch: a resume starts there
                         )
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train

@@ -198,20 +198,26 @@ def assert_equal(a, b, where: str):
 
 class Faulty(nn.Module):
     """A model that misbehaves once, on one rank, at its n-th training forward: the real faults
-    the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
-    marker file remembers it), "nan" (return NaN), "nan_input" (one NaN input sample: BatchNorm's
-    running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
-    fp16 overflow gives), or "hang" (sleep as a stuck peer would)."""
+        the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
+        marker file remembers it), "nan" (return NaN), "nan_input" (one NaN input sample: BatchNorm's
+        running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
+        fp16 overflow gives), "hang" (sleep as a stuck peer would), or "oom" / "oom_backward": every
+    training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
+    device too small for that micro-batch would (at_forward is not used)."""
 
-    def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str):
+    def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str, oom_above: int = 0):
         super().__init__()
         self.inner, self.fault, self.at_forward, self.rank, self.marker = inner, fault, at_forward, rank, Path(marker)
-        self.calls = 0
+        self.calls, self.oom_above = 0, oom_above
 
     def forward(self, x):
         if not self.training or int(os.environ.get("RANK", 0)) != self.rank:
             return self.inner(x)
         self.calls += 1
+        if self.fault == "oom" and len(x) > self.oom_above:
+            raise torch.OutOfMemoryError(f"helpers.Faulty: out of memory at a micro-batch of {len(x)}")
+        if self.fault == "oom_backward" and len(x) > self.oom_above:
+            return self.inner(x) + _OutOfMemoryInBackward.apply(x.new_zeros(()).requires_grad_())
         if self.fault == "nan_input" and self.calls == self.at_forward:
             x = x.clone()
             x[0] = float("nan")
@@ -232,14 +238,30 @@ class Faulty(nn.Module):
         return out
 
 
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("helpers.Faulty: out of memory in a backward")
+
+
 def faulty_model(
-    name: str, fault: str, at_forward: int, rank: int = 0, marker: str = "/nonexistent", **model_args
+    name: str,
+    fault: str,
+    at_forward: int = 0,
+    rank: int = 0,
+    marker: str = "/nonexistent",
+    oom_above: int = 0,
+    **model_args,
 ) -> nn.Module:
     """trainkit.models.<name>(**model_args) wrapped in Faulty; from the command line:
     model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
     from trainkit import models
 
-    return Faulty(getattr(models, name)(**model_args), fault, at_forward, rank, marker)
+    return Faulty(getattr(models, name)(**model_args), fault, at_forward, rank, marker, oom_above)
 
 
 class NoisyDigits(torch.utils.data.Dataset):

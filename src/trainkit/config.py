@@ -238,7 +238,9 @@ def check(cfg: DictConfig) -> None:
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
     _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ON_NONFINITE)
     _one_of("logger.name", cfg.logger.name, LOGGERS)
-    _positive_int("data.batch_size", cfg.data.batch_size)
+    batch_size = cfg.data.batch_size
+    if batch_size != "auto" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise ConfigError(f"data.batch_size={batch_size} must be a positive integer or auto")
     _optional_positive_int("accumulation.steps", cfg.accumulation.steps)
     _positive_int("trainer.epochs", cfg.trainer.epochs)
     _positive_int("trainer.eval_every", cfg.trainer.eval_every)
@@ -246,6 +248,8 @@ def check(cfg: DictConfig) -> None:
     _optional_positive_int("trainer.max_steps", cfg.trainer.max_steps)
     _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
     _optional_positive_int("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
+    if batch_size == "auto":
+        _check_auto(cfg)
     _positive("parallel.timeout_s", cfg.parallel.timeout_s)
     _optional_positive("parallel.bucket_cap_mb", cfg.parallel.bucket_cap_mb)
     _one_of("parallel.comm_hook", cfg.parallel.comm_hook, COMM_HOOKS)
@@ -332,6 +336,33 @@ def _check_agreement(cfg: DictConfig) -> None:
     if task is schema.Classification and data.get("num_classes") is None:
         raise ConfigError(
             f"task=classification needs data.num_classes; data={data.name} has none (a token data set: task=lm)"
+        )
+
+
+def _check_auto(cfg: DictConfig) -> None:
+    """data.batch_size=auto (trainkit/autobatch.py): b = global / W, halved where memory runs out."""
+    acc, W = cfg.accumulation, world_size()
+    if acc.global_batch_size is None:
+        raise ConfigError("data.batch_size=auto needs accumulation.global_batch_size (it starts at global / W)")
+    if acc.steps is not None:
+        raise ConfigError(f"data.batch_size=auto sets K itself; accumulation.steps={acc.steps} must be null")
+    if not isinstance(acc.global_batch_size, int) or acc.global_batch_size % W:
+        raise ConfigError(
+            f"data.batch_size=auto: accumulation.global_batch_size={acc.global_batch_size} is not a multiple "
+            f"of the world size {W}"
+        )
+    # An FSDP forward all-gathers and a SyncBN forward all-gathers statistics: a rank out of memory there
+    # leaves the others inside a collective the one flag cannot meet.
+    if cfg.parallel.mode == "fsdp" or cfg.parallel.sync_bn:
+        which = "parallel=fsdp" if cfg.parallel.mode == "fsdp" else "parallel.sync_bn=true"
+        raise ConfigError(
+            f"data.batch_size=auto is not supported with {which} (its forward runs collectives: ranks could not "
+            "agree on a retry); set data.batch_size"
+        )
+    if cfg.parallel.get("static_graph", False):  # K may grow past 1: see accumulation_steps
+        raise ConfigError(
+            "data.batch_size=auto is not supported with parallel.static_graph=true (a halving makes K > 1, "
+            "which static_graph's no_sync cannot accumulate); set data.batch_size"
         )
 
 

@@ -22,16 +22,24 @@ class StepGuard:
     loss is known: with `skip` they are copied before each window and put back when it is
     dropped, so parameters, buffers, optimizer and scheduler are as before it."""
 
-    def __init__(self, model: torch.nn.Module, on_nonfinite: str, scaler: torch.amp.GradScaler, d: Dist):
+    def __init__(
+        self, model: torch.nn.Module, on_nonfinite: str, scaler: torch.amp.GradScaler, d: Dist, keep: bool = False
+    ):
+        """keep: copy the buffers before each window also without skip (data.batch_size=auto retries windows)."""
         self.on_nonfinite, self.scaler, self.d = on_nonfinite, scaler, d
         self.deferred = on_nonfinite == "raise" and not scaler.is_enabled()
         self.checked = 0  # deferred: the steps up to here are known to be finite
-        self.buffers = list(model.buffers()) if on_nonfinite == "skip" else []
+        self.buffers = list(model.buffers()) if on_nonfinite == "skip" or keep else []
         self.saved = [b.clone() for b in self.buffers]
 
     def start_window(self) -> None:
         for saved, buffer in zip(self.saved, self.buffers, strict=True):
             saved.copy_(buffer)
+
+    def put_back_buffers(self) -> None:
+        """The buffers as before the window (BatchNorm's running statistics)."""
+        for saved, buffer in zip(self.saved, self.buffers, strict=True):
+            buffer.copy_(saved)
 
     def decide(self, window_loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> str:
         """window_loss: this rank's loss sum of the window; grad_norm: the global norm (the
@@ -65,7 +73,6 @@ class StepGuard:
         if outcome == "overflow":
             self.scaler.update()  # unscale_ recorded the overflow: the scale backs off, as GradScaler.step would
             return
-        for saved, buffer in zip(self.saved, self.buffers, strict=True):
-            buffer.copy_(saved)
+        self.put_back_buffers()
         if self.scaler.is_enabled():  # close the step GradScaler's unscale_ opened, the scale unchanged
             self.scaler.update(self.scaler.get_scale())

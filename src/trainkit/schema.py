@@ -190,7 +190,7 @@ class Data:
     splits: Any = MISSING
     shape: list[int] | None = None  # one sample's input shape (classification)
     num_classes: int | None = None
-    batch_size: int = MISSING  # per-device micro-batch
+    batch_size: Any = MISSING  # per-device micro-batch, or auto (config.check: no Union in a structured config)
     drop_last: bool = False
     num_workers: int = 0
     pin_memory: bool = True  # with CUDA: page-locked batches, copied to the GPU asynchronously

@@ -1,0 +1,126 @@
+"""data.batch_size=auto: an out-of-memory error on one rank halves the micro-batch on every rank
+together, and the run is the one that used the found micro-batch from the start. The out-of-memory
+errors are real exceptions from the model (helpers.Faulty "oom"), on one rank only."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import compose_cfg, run_in_process, without_timings
+from trainkit import config
+from trainkit.config import ConfigError
+
+# cnn: BatchNorm, whose running statistics the dropped attempt must not keep.
+RUN = [
+    "model=cnn",
+    "model.width=8",
+    "accumulation.global_batch_size=32",
+    "trainer.max_steps=6",
+    "trainer.log_every=2",
+    "trainer.eval_every=100",
+    "checkpoint.every=3",
+    "parallel.timeout_s=60",
+]
+
+
+def oom(above: int, rank: int = 1, fault: str = "oom") -> list[str]:
+    """Every training forward (oom_backward: backward) of more than `above` samples on `rank` raises
+    torch.OutOfMemoryError."""
+    return [
+        "model._target_=helpers.faulty_model",
+        "+model.name=cnn",
+        f"+model.fault={fault}",
+        f"+model.rank={rank}",
+        f"+model.oom_above={above}",
+    ]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [without_timings(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.allclose(wa[key].double(), wb[key].double(), rtol=0, atol=1e-6), key
+
+
+LINE = "micro-batch 16 -> 8 (out of memory), K 1 -> 2"
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory) -> tuple[Path, str]:
+    """2 ranks, global batch 32: auto starts at 16, rank 1 runs out of memory above 8."""
+    run_dir = tmp_path_factory.mktemp("auto")
+    return run_dir, run_in_process(run_dir, *RUN, *oom(8), "data.batch_size=auto", nproc=2)
+
+
+def test_an_oom_on_one_rank_halves_the_micro_batch_on_all_and_equals_the_fixed_run(searched, tmp_path):
+    auto, out = searched
+    fixed = tmp_path / "fixed"
+    run_in_process(fixed, *RUN, *oom(1000), "data.batch_size=8", nproc=2)
+    assert out.count(LINE) == 1 and out.count("out of memory") == 1, out
+    assert_same_weights(auto, fixed)
+    assert rows(auto) == rows(fixed)
+    assert [r["micro_batch"] for r in rows(auto) if "loss" in r] == [8, 8, 8]
+
+
+def test_a_checkpoint_after_the_search_resumes_at_the_found_micro_batch(searched, tmp_path):
+    auto, _ = searched
+    checkpoint = auto / "checkpoints" / "step_00000003.pt"
+    assert torch.load(checkpoint, weights_only=True)["autobatch"] == {"micro_batch": 8}
+    resumed = tmp_path / "resumed"
+    out = run_in_process(resumed, *RUN, *oom(8), "data.batch_size=auto", f"checkpoint.resume={checkpoint}", nproc=2)
+    assert "out of memory" not in out, out  # no new search: the first window already ran at 8
+    assert "2 ranks x 8 micro-batch x 2 accumulation" in out
+    assert_same_weights(auto, resumed)
+
+
+def test_a_micro_batch_of_1_that_does_not_fit_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_in_process(tmp_path, *RUN, *oom(0, rank=0), "data.batch_size=auto", "accumulation.global_batch_size=4")
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_.value.code == 3
+    assert errors == [
+        "error: out of memory at micro-batch 1 (data.batch_size=auto): one sample does not fit; try a smaller "
+        "model, trainer.precision=bf16 or activation checkpointing"
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ([], "data.batch_size=auto needs accumulation.global_batch_size"),
+        (["accumulation.global_batch_size=32", "accumulation.steps=2"], "accumulation.steps=2 must be null"),
+        (["accumulation.global_batch_size=33"], "accumulation.global_batch_size=33 is not a multiple of the world"),
+        (["accumulation.global_batch_size=32", "parallel=fsdp"], "not supported with parallel=fsdp"),
+        (["accumulation.global_batch_size=32", "parallel.sync_bn=true"], "not supported with parallel.sync_bn=true"),
+    ],
+)
+def test_auto_needs_a_global_batch_and_no_k_and_refuses_collectives_in_the_forward(monkeypatch, overrides, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # config.check reads the world size from the launcher's environment
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config.check(compose_cfg("data.batch_size=auto", *overrides))
+
+
+def test_a_batch_size_is_a_positive_integer_or_auto():
+    with pytest.raises(ConfigError, match="data.batch_size=big must be a positive integer or auto"):
+        config.check(compose_cfg("data.batch_size=big"))
+
+
+def test_an_oom_in_the_syncing_backward_ends_the_run_with_one_error_not_a_hang(tmp_path, capfd):
+    # Rank 1 runs out of memory in the window's last backward, after the ranks agreed and while rank 0
+    # is already inside DDP's gradient all-reduce: no retry is possible, and nobody may wait forever.
+    overrides = [*RUN, *oom(8, fault="oom_backward"), "data.batch_size=auto", "parallel.timeout_s=20"]
+    with pytest.raises(Exception, match="exit code"):
+        run_in_process(tmp_path, *overrides, nproc=2)
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: a collective failed, a peer rank died or hangs"), errors

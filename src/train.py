@@ -94,7 +94,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     autocast = autocast_for(precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
-    auto.attach(unwrap(model))  # the ranks agree on out of memory at the end of a window's last forward
+    auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
 

@@ -72,6 +72,17 @@ def test_an_oom_on_one_rank_halves_the_micro_batch_on_all_and_equals_the_fixed_r
     assert [r["micro_batch"] for r in rows(auto) if "loss" in r] == [8, 8, 8]
 
 
+def test_two_halvings_the_second_in_a_non_syncing_micro_step_equal_the_fixed_run(tmp_path):
+    # 16 (K=1) runs out of memory on rank 1, then 8 (K=2) in its first micro-step, before the syncing
+    # forward in which DDP broadcasts the BatchNorm buffers: rank 0 must not start that forward alone.
+    auto, fixed = tmp_path / "auto", tmp_path / "fixed"
+    out = run_in_process(auto, *RUN, *oom(4), "data.batch_size=auto", "parallel.timeout_s=20", nproc=2)
+    run_in_process(fixed, *RUN, *oom(1000), "data.batch_size=4", nproc=2)
+    assert out.count("micro-batch 16 -> 8 -> 4 (out of memory), K 1 -> 2 -> 4") == 1, out
+    assert_same_weights(auto, fixed)
+    assert rows(auto) == rows(fixed)
+
+
 def test_a_checkpoint_after_the_search_resumes_at_the_found_micro_batch(searched, tmp_path):
     auto, _ = searched
     checkpoint = auto / "checkpoints" / "step_00000003.pt"

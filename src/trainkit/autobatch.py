@@ -5,22 +5,25 @@ every rank halves the micro-batch and doubles K together and the same window run
 is then the one that used the found micro-batch from the start (windows are (W, K, b)-invariant,
 dropout draws depend on (seed, step, rank) alone).
 
-The ranks agree through one all-reduce of a flag per window (per micro-step with sync_each_batch),
-taken where no rank can be inside another collective: at the end of the forward before a syncing
-backward (a hook on the unwrapped model, before DDP arms its gradient sync), or, on a rank that
-already ran out of memory, in its place. A rank that runs out of memory in a syncing backward, after
-the others started syncing gradients, cannot retry: it ends the run (the others see the collective
-fail, within parallel.timeout_s).
+The ranks agree through an all-reduce of a flag where no rank can be inside another collective: at
+the end of the forward before a syncing backward (a hook on the unwrapped model, before DDP arms its
+gradient sync) and, with K > 1, just before that forward too (DDP broadcasts BatchNorm's buffers as
+it starts); a rank that already ran out of memory takes the flag in their place. One all-reduce per
+window at K = 1, two at K > 1 (per micro-step with sync_each_batch): only with data.batch_size=auto.
+A rank that runs out of memory in a syncing backward, after the others started syncing gradients,
+cannot retry: it ends the run (the others see the collective fail, within parallel.timeout_s).
 """
 
 import contextlib
 
 import torch
 from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainkit import config
 from trainkit.config import RunError
 from trainkit.dist import Dist
+from trainkit.parallel import unwrap
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -53,9 +56,10 @@ class AutoBatch:
         self.agreed: bool | None = None
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Take the agreement at the end of `model`'s (the unwrapped model's) forward, when armed."""
+        """Take the agreement at the end of the wrapped `model`'s inner (unwrapped) forward, when armed."""
         if self.enabled:
-            model.register_forward_hook(self._hook)
+            self.ddp = model if isinstance(model, DDP) else None
+            unwrap(model).register_forward_hook(self._hook)
 
     def micro_steps(self, micro: list):
         """(k, batch) of the window's micro-batches, until a rank runs out of memory. The forward
@@ -68,7 +72,12 @@ class AutoBatch:
         for k, batch in enumerate(micro):
             if self.failed or self.oom:
                 break
-            self.armed, self.agreed = self.sync_each or k == len(micro) - 1, None
+            syncing = self.sync_each or k == len(micro) - 1
+            if syncing and k > 0:  # also before it: DDP broadcasts buffers (BatchNorm's) as that forward starts,
+                self._agree(False)  # where a rank that already stopped could not join
+                if self.oom:
+                    break
+            self.armed, self.agreed = syncing, None
             yield k, batch
         self.armed = False
         if self.agreed is None:  # this rank stopped before the forward that takes it
@@ -128,6 +137,11 @@ class AutoBatch:
             )
         self._set(max(b for b in range(1, self.batch_size // 2 + 1) if self.per_rank % b == 0))
         self.found.append(self.batch_size)
+        if self.ddp is not None:
+            # DDP broadcasts its buffers at the start of the forward after a syncing one, a flag its
+            # post-forward sets; a forward that raised never got there, and on some ranks only. As a
+            # window's first forward does after the previous window's sync: broadcast, on every rank.
+            self.ddp.require_forward_param_sync = True
         return True
 
     def _set(self, batch_size: int) -> None:

@@ -20,7 +20,7 @@ from trainkit import config, dist, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
-from trainkit.config import ConfigError
+from trainkit.config import ConfigError, RankError
 from trainkit.data import TrainLoader, eval_loader
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
@@ -279,7 +279,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
                 config.record_failure(run_dir, known, sweep)
             if sweep:
                 return None
-            dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
+            dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3, isinstance(known, RankError))
         if dist.lost_peer(error):
             dist.fail(
                 f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s:g}): "

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainkit import config
-from trainkit.config import RunError
+from trainkit.config import RankError, RunError
 from trainkit.dist import Dist
 from trainkit.parallel import unwrap
 
@@ -108,7 +108,7 @@ class AutoBatch:
             if not out_of_memory(error):
                 raise
             if self.agreed and self.d.distributed:
-                raise RunError(
+                raise RankError(
                     f"out of memory in the gradient-syncing backward at micro-batch {self.batch_size} "
                     "(data.batch_size=auto): the other ranks were already syncing, no retry is possible; "
                     f"set data.batch_size={max(1, self.batch_size // 2)}"

@@ -38,6 +38,11 @@ class RunError(RuntimeError):
     """The run cannot go on (e.g. a non-finite loss). Printed as one line, exit status 3."""
 
 
+class RankError(RunError):
+    """A RunError that one rank alone meets (the others see their collective fail): that rank prints
+    it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
+
+
 def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
     `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too."""

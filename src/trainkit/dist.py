@@ -273,9 +273,11 @@ def teardown(finished: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Exit with a one-line error printed by rank 0 (the others exit quietly)."""
-    if env_rank() == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+def fail(message: str, code: int = 2, this_rank: bool = False) -> NoReturn:
+    """Exit with a one-line error printed by rank 0 (the others exit quietly); `this_rank`: an error
+    only this rank knows, printed by it and naming it."""
+    rank = env_rank()
+    if rank == 0 or this_rank:
+        print(f"error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr, flush=True)
     teardown()
     sys.exit(code)

@@ -3,6 +3,7 @@
 import contextlib
 import importlib
 import io
+import json
 import os
 import signal
 import socket
@@ -148,6 +149,23 @@ TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings:
 
 def without_timings(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in TIMINGS}
+
+
+def rows(run_dir: Path, timings: bool = True) -> list[dict]:
+    """metrics.jsonl's rows (timings=False: without the clock readings, to compare two runs)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [row if timings else without_timings(row) for row in map(json.loads, lines)]
+
+
+def weights(run_dir: Path) -> dict:
+    """A finished run's model.pt."""
+    return torch.load(Path(run_dir) / "model.pt", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest |difference| between two state_dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def _env():

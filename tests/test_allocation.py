@@ -1,14 +1,12 @@
 """The same experiment on any allocation (issue 18): a checkpoint resumes on another world size at
 the same global batch (K adapts) and ends where the uninterrupted run ends, to reduction order."""
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import run_in_process
+from helpers import rows, run_in_process, weights
 
 # An MLP (no BatchNorm, no dropout: nothing that depends on the per-rank split) on digits, a global
 # batch of 32 in micro-batches of 8: K=4 on one rank, K=2 on two. 12 steps, a checkpoint at step 6
@@ -22,14 +20,6 @@ RUN = [
     "trainer.eval_every=100",
     "checkpoint.every=6",
 ]
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
 
 
 def resume(source: Path, target: Path, checkpoint: str, *overrides: str, nproc: int, torchrun: bool = False) -> str:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, assert_equal, run_in_process, run_train, without_timings
+from helpers import ROOT, assert_equal, run_in_process, run_train
+from helpers import rows as metrics_rows
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
 from trainkit.config import ConfigError
@@ -49,8 +50,7 @@ def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [without_timings(json.loads(line)) for line in lines]
+    return metrics_rows(run_dir, timings=False)
 
 
 def assert_same_run(a: Path, b: Path):

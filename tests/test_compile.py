@@ -8,17 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_train
+from helpers import run_train, weights
 
 STEPS = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=6"]
 TWO_RANKS_K2 = ["data.batch_size=8", "accumulation.steps=2"]  # the global batch 32 of one process at b=32
 # inductor fuses elementwise ops and reorders reductions: the same maths, other float roundings.
 # Measured after 6 AdamW steps: <1e-8 in one process; DDP/FSDP add their own 1e-6-scale rounding.
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
 
 
 def syncs(run_dir: Path) -> list[float]:

@@ -3,19 +3,27 @@ reduce-scatter rounds counted where they happen, padded evaluation, sharded (DCP
 that resume bit for bit and on another world size, and a gathered model.pt."""
 
 import contextlib
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from helpers import ROOT, SYNC_BN, assert_equal, run_distributed, run_in_process, without_timings
+from helpers import (
+    SYNC_BN,
+    assert_equal,
+    compose_cfg,
+    max_diff,
+    rows,
+    run_distributed,
+    run_in_process,
+    weights,
+    without_timings,
+)
 from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, full_state_dict, restore, snapshot
@@ -30,24 +38,6 @@ from trainkit.schedules import warmup_cosine
 from trainkit.tasks import Classification
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-
-
-def compose_cfg(*overrides):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def padded_bytes(state: dict, world_size: int) -> int:

@@ -2,13 +2,12 @@
 ModuleList too, and a unit that cannot be sharded is one line naming it."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import run_in_process
+from helpers import run_in_process, weights
 from trainkit.config import ConfigError
 from trainkit.models import cnn, gpt, mlp, resnet18
 from trainkit.parallel import fsdp_units
@@ -62,10 +61,6 @@ def test_a_unit_that_cannot_be_sharded_is_one_line_naming_it():
         "parallel.shard_units: blocks (ModuleList) cannot be sharded: a container without a forward "
         "of its own; name the classes it holds (Block)"
     )
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
 
 
 # The GPT under parallel=fsdp with no extra keys: 2 ranks x b=8 against one process x b=16.

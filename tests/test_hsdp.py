@@ -3,9 +3,7 @@ ranks as 2 replicas x 2 shards. The gradient of a window equals the full batch's
 accumulation; one sync (reduce-scatter + replica all-reduce) per optimizer step, its bytes counted;
 training equals one process at the same global batch; its DCP checkpoints resume on one process."""
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,25 +11,12 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from helpers import compose_cfg, run_distributed, run_in_process
+from helpers import compose_cfg, max_diff, rows, run_distributed, run_in_process, weights
 from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
 from trainkit.parallel import fsdp_mesh, wrap
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def hsdp_bytes(state: dict, replicas: int, world_size: int) -> int:

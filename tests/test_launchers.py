@@ -1,7 +1,6 @@
 """Beyond one process per torchrun: submitit's launcher (the SLURM path, run locally) and
 multi-node torchrun (two agents meeting through a c10d rendezvous), end to end on digits."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,13 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, _env, _free_port, run_train
+from helpers import ROOT, _env, _free_port, rows, run_train
 
 TINY = ("model.width=16", "model.depth=1", "data.batch_size=8", "trainer.max_steps=2")
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def submitit_logs(sweep: Path, task: int) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_in_process, without_timings
+from helpers import rows, run_in_process, without_timings
 from trainkit.addition import IGNORE, Problems, decode, operand_lengths, splits
 from trainkit.models import gpt
 from trainkit.tasks import LanguageModel
@@ -60,10 +60,6 @@ def test_language_model_items_are_the_loss_bearing_tokens_and_exact_match_is_per
     assert sums[1:4] == [3.0, 1.0, 2.0]  # tokens, right answers, answers
     metrics = task.eval_metrics(sums)
     assert metrics["val/acc"] == metrics["val/acc_1x1"] == 0.5
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def max_diff(a: Path, b: Path) -> float:

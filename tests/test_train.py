@@ -1,21 +1,10 @@
 """src/train.py end to end, as a user runs it (python and torchrun), on the bundled digits."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from hydra.utils import instantiate
 
-from helpers import SYNC_BN, compose_cfg, run_in_process, run_train
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "model.pt", weights_only=True)
+from helpers import SYNC_BN, compose_cfg, rows, run_in_process, run_train, weights
 
 
 @pytest.mark.slow

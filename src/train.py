@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, schedules
+from trainkit import config, dist, launch, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
@@ -264,15 +264,23 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> float | None:
-    """Check the config, join the process group, train. A known failure is one line from rank 0,
-    no traceback; a sweep's job records it in its dir and the sweep goes on (config.SweepErrors)."""
+    """Check the config, join the process group (or start the N workers that do), train. A known failure
+    is one line from rank 0, no traceback; a sweep's job records it in its dir and the sweep goes on
+    (config.SweepErrors)."""
     try:
         config.check(cfg)
+        if launch.wanted(cfg):  # parallel.nproc_per_node=N, no launcher: N workers run this job, as torchrun's would
+            return launch.start(cfg, run_dir, job, run)
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
         val_acc = train(cfg, d, mode, run_dir)
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc
+    except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
+        if sweep:
+            config.record_failure(run_dir, failed.error, sweep)
+            return None
+        dist.fail(str(failed.error), failed.code)
     except Exception as error:
         if (known := config.user_error(error)) is not None:
             if dist.env_rank() == 0:
@@ -285,6 +293,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
                 f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s:g}): "
                 f"{str(error).strip().splitlines()[0][:300]}",
                 1,
+                peer_failed=True,
             )
         raise
     finally:

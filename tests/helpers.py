@@ -144,6 +144,38 @@ SYNC_BN = [
 ]
 
 
+# The run the crash tests kill and resume (test_checkpoint.py, test_launch.py): a BatchNorm model with
+# dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch (15 steps per epoch on one rank, 8 on
+# two) and in the middle of a log row (rows every 3 steps).
+CRASH_RUN = [
+    "model=cnn",
+    "model.width=8",
+    "model.dropout=0.2",
+    "optim=adamw",
+    "sched=cosine",
+    "sched.warmup_steps=3",
+    "accumulation.steps=3",
+    "data.batch_size=32",
+    "trainer.max_steps=20",
+    "trainer.log_every=3",
+    "trainer.eval_every=100",
+    "checkpoint.every=10",
+    "checkpoint.keep=5",
+]
+
+
+def faulty(fault: str, at_forward: int, rank: int, marker: Path | str, name: str = "cnn") -> list[str]:
+    """Overrides that wrap model=<name> in Faulty (below); `fault` may list several, 'a,b', for a sweep."""
+    return [
+        "model._target_=helpers.faulty_model",
+        f"+model.name={name}",
+        "+model.fault=" + ",".join(f"'{f}'" for f in fault.split(",")),
+        f"+model.at_forward={at_forward}",
+        f"+model.rank={rank}",
+        f"+model.marker={marker}",
+    ]
+
+
 TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings: never equal between runs
 
 
@@ -219,7 +251,8 @@ class Faulty(nn.Module):
         the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
         marker file remembers it), "nan" (return NaN), "nan_input" (one NaN input sample: BatchNorm's
         running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
-        fp16 overflow gives), "hang" (sleep as a stuck peer would), or "oom" / "oom_backward": every
+        fp16 overflow gives), "hang" (sleep as a stuck peer would), "raise" (an exception trainkit does
+        not know, as a bug raises), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
     device too small for that micro-batch would (at_forward is not used)."""
 
@@ -250,6 +283,8 @@ class Faulty(nn.Module):
             out.register_hook(lambda grad: grad * float("inf"))
         if self.fault == "hang":
             time.sleep(3600)
+        if self.fault == "raise":
+            raise RuntimeError(f"helpers.Faulty: a bug on rank {self.rank} at forward {self.calls}")
         if self.fault == "kill" and not self.marker.exists():
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, assert_equal, run_in_process, run_train
+from helpers import CRASH_RUN as RUN
+from helpers import ROOT, assert_equal, faulty, run_in_process, run_train
 from helpers import rows as metrics_rows
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
@@ -18,35 +19,6 @@ from trainkit.config import ConfigError
 from trainkit.dist import Dist
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-
-# A BatchNorm model with dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch
-# (15 steps per epoch on one rank, 8 on two) and in the middle of a log row (rows every 3 steps).
-RUN = [
-    "model=cnn",
-    "model.width=8",
-    "model.dropout=0.2",
-    "optim=adamw",
-    "sched=cosine",
-    "sched.warmup_steps=3",
-    "accumulation.steps=3",
-    "data.batch_size=32",
-    "trainer.max_steps=20",
-    "trainer.log_every=3",
-    "trainer.eval_every=100",
-    "checkpoint.every=10",
-    "checkpoint.keep=5",
-]
-
-
-def faulty(fault: str, at_forward: int, rank: int, marker: Path) -> list[str]:
-    return [
-        "model._target_=helpers.faulty_model",
-        "+model.name=cnn",
-        f"+model.fault='{fault}'",
-        f"+model.at_forward={at_forward}",
-        f"+model.rank={rank}",
-        f"+model.marker={marker}",
-    ]
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -53,7 +53,17 @@ CATALOGUE = [
     (["data=mnist", "data.root=/nonexistent"], "data.root=/nonexistent holds no MNIST data"),
     (["data=fake", "model=gpt"], "model.vocab_size: Interpolation key 'data.vocab_size' not found"),
     (["checkpoint.resume=/nonexistent/ckpt.pt"], "checkpoint.resume=/nonexistent/ckpt.pt: no such checkpoint"),
-    (["parallel=ddp"], "parallel=ddp needs torchrun"),
+    (["parallel=ddp"], "parallel=ddp needs several processes: parallel.nproc_per_node=N (or torchrun"),
+    # parallel.nproc_per_node: its values, and what the N workers it starts would refuse, said before they start.
+    (["parallel.nproc_per_node=0"], "parallel.nproc_per_node=0 must be null, a positive integer or auto"),
+    (["parallel.nproc_per_node=abc"], "parallel.nproc_per_node=abc must be null, a positive integer or auto"),
+    (["parallel.max_restarts=-1"], "parallel.max_restarts=-1 must be an integer >= 0"),
+    (["parallel.max_restarts=1"], "parallel.max_restarts=1 restarts the workers this process starts: it needs"),
+    (["parallel=single", "parallel.nproc_per_node=2"], "parallel=single with world size 2 would train 2 independent"),
+    (
+        ["+experiment=accumulation_sweep", "accumulation.steps=3", "parallel.nproc_per_node=2"],
+        "data.batch_size: micro_batch: the global batch 32 is not a multiple of K x world size = 3 x 2",
+    ),
     (
         ["parallel.static_graph=true", "accumulation.steps=2"],
         "parallel.static_graph=true with no_sync accumulation (K=2)",

@@ -71,7 +71,7 @@ def test_shard_units_by_default_and_by_class_name():
 
 
 def test_fsdp_needs_torchrun_and_refuses_fp16():
-    with pytest.raises(ConfigError, match="parallel=fsdp needs torchrun"):
+    with pytest.raises(ConfigError, match="parallel=fsdp needs several processes"):
         resolve_mode("fsdp", 1, under_torchrun=False)
     assert resolve_mode("fsdp", 2, under_torchrun=True) == "fsdp"
     with pytest.raises(ConfigError, match="trainer.precision=fp16 is not supported with parallel=fsdp"):

@@ -134,11 +134,12 @@ def run_stamp() -> str:
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
 
 
-def world_size() -> int:
-    """${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit; 1 alone)."""
-    from trainkit import dist  # here: dist imports this module (ConfigError)
+def world_size(*, _root_: DictConfig) -> int:
+    """${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit, the
+    workers parallel.nproc_per_node starts; 1 alone)."""
+    from trainkit import launch  # here: launch imports this module (ConfigError)
 
-    return dist.env_world_size()
+    return launch.world_size(_root_)
 
 
 OmegaConf.register_new_resolver("world_size", world_size, replace=True)
@@ -227,7 +228,10 @@ def _non_negative(key: str, value, integer: bool = False) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Reject settings that would fail late or train silently wrong, naming the key."""
+    from trainkit import launch  # here: launch imports this module (ConfigError)
+
     _check_known_keys(cfg)
+    launch.check(cfg)  # first: ${world_size:} below counts the workers parallel.nproc_per_node starts
     try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
@@ -346,7 +350,7 @@ def _check_agreement(cfg: DictConfig) -> None:
 
 def _check_auto(cfg: DictConfig) -> None:
     """data.batch_size=auto (trainkit/autobatch.py): b = global / W, halved where memory runs out."""
-    acc, W = cfg.accumulation, world_size()
+    acc, W = cfg.accumulation, world_size(_root_=cfg)
     if acc.global_batch_size is None:
         raise ConfigError("data.batch_size=auto needs accumulation.global_batch_size (it starts at global / W)")
     if acc.steps is not None:

@@ -273,11 +273,18 @@ def teardown(finished: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def fail(message: str, code: int = 2, this_rank: bool = False) -> NoReturn:
+def fail(message: str, code: int = 2, this_rank: bool = False, peer_failed: bool = False) -> NoReturn:
     """Exit with a one-line error printed by rank 0 (the others exit quietly); `this_rank`: an error
-    only this rank knows, printed by it and naming it."""
+    only this rank knows, printed by it and naming it. In a worker trainkit started itself every rank
+    reports to the parent instead (`peer_failed`: a consequence of another rank's failure), which
+    prints the root cause once: a rank dying here may otherwise print before the rank that knows why."""
+    from trainkit import launch  # here: launch imports this module
+
     rank = env_rank()
-    if rank == 0 or this_rank:
-        print(f"error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr, flush=True)
+    line = f"rank {rank}: {message}" if rank and this_rank else message
+    if launch.is_worker():
+        launch.report(line, code, peer_failed)
+    elif rank == 0 or this_rank:
+        print(f"error: {line}", file=sys.stderr, flush=True)
     teardown()
     sys.exit(code)

@@ -18,19 +18,20 @@ from trainkit.syncbn import convert_sync_batchnorm
 
 
 def resolve_mode(mode: str, world_size: int, under_torchrun: bool) -> str:
-    """auto: single without torchrun, ddp under it; ddp and fsdp need torchrun. An explicit
-    single with W > 1 is refused: it would silently train W independent replicas."""
+    """auto: single alone, ddp under a launcher (torchrun, submitit, parallel.nproc_per_node's workers);
+    ddp and fsdp need one. An explicit single with W > 1 is refused: it would silently train W
+    independent replicas."""
     if mode == "auto":
         return "ddp" if under_torchrun else "single"
     if mode == "single" and world_size > 1:
         raise ConfigError(
             f"parallel=single with world size {world_size} would train {world_size} "
-            "independent replicas; use parallel=ddp (or auto, or fsdp) under torchrun"
+            "independent replicas; use parallel=ddp (or auto, or fsdp)"
         )
     if mode != "single" and not under_torchrun:
         raise ConfigError(
-            f"parallel={mode} needs torchrun (e.g. torchrun --nproc_per_node=2 "
-            "src/train.py ...); use parallel=single or auto without it"
+            f"parallel={mode} needs several processes: parallel.nproc_per_node=N (or torchrun "
+            "--nproc_per_node=N src/train.py ...); use parallel=single or auto for one"
         )
     return mode
 

@@ -56,6 +56,8 @@ class Parallel:
     shard_units: list[str] | None = None  # FSDP
     reshard_after_forward: bool = True  # FSDP
     replicate: int = 1  # FSDP: R > 1 is HSDP (R replicas x W/R shards)
+    nproc_per_node: Any = None  # null (one process) | N | auto: the workers train.py starts itself
+    max_restarts: int = 0  # restarts of those workers, resuming from the newest checkpoint
 
 
 @dataclass

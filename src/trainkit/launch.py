@@ -1,0 +1,240 @@
+"""`python src/train.py parallel.nproc_per_node=N`: this process starts its N local workers itself.
+
+The engine is torchrun's: torch's elastic agent, called as a library (`elastic_launch`), with a
+c10d rendezvous on a free localhost port of its own for every launch (the jobs of a sweep never
+meet). Each worker runs the job with the config this process composed and checked and with its run
+dir: nothing re-parses sys.argv (re-executing the script, as Lightning does, breaks Hydra's multirun)
+and no worker makes a run dir of its own. A worker's failure comes back through torch's error files
+as one line, printed here once; `parallel.max_restarts` restarts the group, which resumes from the run
+dir's newest checkpoint.
+"""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from omegaconf import DictConfig
+
+from trainkit import dist
+from trainkit.config import ConfigError, RunError
+
+# fork: a worker starts in well under a second with torch, trainkit and the composed config already in
+# memory; spawn imports them anew in each worker (seconds). Measured in README ("Launching"). Safe because
+# nothing here initialises CUDA before the workers start (device_count asks NVML; see _launch_config).
+START_METHOD = os.environ.get("TRAINKIT_START_METHOD", "fork")
+WORKER = "TRAINKIT_WORKER"  # set in every worker this module starts
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # those the elastic agent handles
+
+
+def is_worker() -> bool:
+    """This process is a worker that `start` began (its parent checked the config and prints failures)."""
+    return os.environ.get(WORKER) == "1"
+
+
+def local_workers(cfg: DictConfig) -> int:
+    """parallel.nproc_per_node as a number: null 1, auto the visible CUDA devices (1 without CUDA)."""
+    n = cfg.parallel.nproc_per_node
+    if n is None:
+        return 1
+    if n == "auto":  # device_count asks NVML: CUDA stays uninitialised in this process (fork is safe)
+        return max(1, torch.cuda.device_count())
+    return int(n)
+
+
+def world_size(cfg: DictConfig) -> int:
+    """The job's world size: the launcher's (torchrun, submitit, or this module for its workers), else
+    the workers this process is about to start."""
+    return dist.env_world_size() if dist.launched_distributed() else local_workers(cfg)
+
+
+def wanted(cfg: DictConfig) -> bool:
+    """Start workers here: N > 1 and no launcher has started this process."""
+    return not dist.launched_distributed() and local_workers(cfg) > 1
+
+
+def check(cfg: DictConfig) -> None:
+    """parallel.nproc_per_node and parallel.max_restarts: their values, and no contradiction with a launcher."""
+    n, restarts = cfg.parallel.nproc_per_node, cfg.parallel.max_restarts
+    if n is not None and n != "auto" and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ConfigError(f"parallel.nproc_per_node={n} must be null, a positive integer or auto")
+    if not isinstance(restarts, int) or restarts < 0:
+        raise ConfigError(f"parallel.max_restarts={restarts} must be an integer >= 0")
+    if dist.launched_distributed() and not is_worker():
+        launcher = "submitit" if dist.submitit_task() else "torchrun"
+        here = dist.place().local_world_size
+        if isinstance(n, int) and n != here:
+            raise ConfigError(
+                f"parallel.nproc_per_node={n} contradicts {launcher}, which started {here} process(es) on this "
+                "node; leave it null (or auto) under a launcher"
+            )
+        if restarts:
+            raise ConfigError(
+                f"parallel.max_restarts={restarts} restarts the workers trainkit starts itself; under {launcher} "
+                "its own setting does (torchrun --max-restarts=N)"
+            )
+    elif restarts and local_workers(cfg) < 2:
+        raise ConfigError(
+            f"parallel.max_restarts={restarts} restarts the workers this process starts: it needs "
+            "parallel.nproc_per_node > 1"
+        )
+    if wanted(cfg):  # before any worker starts: e.g. parallel=single on N workers
+        from trainkit.parallel import resolve_mode  # here: parallel imports torch's wrappers
+
+        resolve_mode(cfg.parallel.mode, local_workers(cfg), True)
+
+
+class WorkersFailed(Exception):
+    """The workers' root cause, as the one line to print (or to record in a sweep's job dir)."""
+
+    def __init__(self, error: ConfigError | RunError, code: int):
+        super().__init__(str(error))
+        self.error, self.code = error, code
+
+
+def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -> Any:
+    """Run entry(cfg, run_dir, job) on N local workers under torch's elastic agent; rank 0's return value.
+    Raises WorkersFailed with the root cause when the group failed (after parallel.max_restarts restarts)."""
+    from hydra.core.singleton import Singleton
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    logs = tempfile.mkdtemp(prefix="trainkit-launch-")  # torch's error files; kept only to show a traceback
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the agent installs its own: put them back
+    sys.stdout.flush()  # a forked worker would print what is still buffered here once more
+    sys.stderr.flush()
+    keep_logs = False
+    try:
+        _quiet_agent()
+        launch = elastic_launch(_launch_config(cfg, logs), _worker)
+        return launch(entry, cfg, run_dir, job, Singleton.get_state())[0]
+    except ChildFailedError as failed:
+        error, code, keep_logs = _root_cause(failed, logs)
+        raise WorkersFailed(error, code) from None
+    except SignalException as stopped:  # SIGTERM / Ctrl-C here: the agent has ended the workers
+        print(f"error: stopped by {stopped.sigval.name}; the workers were ended", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stopped.sigval) from None
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if not keep_logs:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def _quiet_agent() -> None:
+    """The agent logs each worker failure with its traceback and a dump of the failure: the error
+    line printed here replaces them (torch's LOGLEVEL=INFO shows them again, with the agent's steps)."""
+    if "LOGLEVEL" not in os.environ:
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+            quiet = logging.getLogger(name)
+            quiet.propagate = False
+            if not quiet.handlers:
+                quiet.addHandler(logging.NullHandler())
+
+
+def _launch_config(cfg: DictConfig, logs: str):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=local_workers(cfg),
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",  # LaunchConfig's default is etcd
+        rdzv_endpoint="localhost:0",  # port 0: a free port for this launch (two sweep jobs never share one)
+        rdzv_configs={"timeout": 60},  # the workers are local: they meet in well under a second
+        max_restarts=cfg.parallel.max_restarts,  # LaunchConfig's default is 3
+        monitor_interval=0.1,
+        start_method=START_METHOD,
+        logs_specs=DefaultLogsSpecs(log_dir=logs),  # error files only: workers print to this console
+        local_addr="localhost",  # no lookup of this machine's FQDN
+        # A NUMA option given skips LaunchConfig's probe, torch.accelerator.is_available(): it calls
+        # cuInit, after which CUDA fails in a forked worker. None again: no NUMA binding.
+        numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
+    )
+    config.numa_options = None
+    return config
+
+
+def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int, hydra_state: Any) -> Any:
+    """One worker: torchrun's environment is set (RANK, WORLD_SIZE, MASTER_ADDR, the agent's store)."""
+    from hydra.core.singleton import Singleton
+
+    os.environ[WORKER] = "1"
+    for sig in SIGNALS:  # a forked worker inherits the agent's handlers: the agent's SIGTERM must end it at once
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    Singleton.set_state(hydra_state)  # HydraConfig (the job's overrides, sweep), also in a spawned worker
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per worker
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # A restarted group continues the run in its run dir: the newest checkpoint there, whatever the
+        # first round started from (checkpoint.resume=null or a path would refuse or rewind it).
+        cfg = cfg.copy()
+        cfg.checkpoint.resume = "auto"
+    return entry(cfg, run_dir, job)
+
+
+def report(message: str, code: int, peer_failed: bool) -> None:
+    """In a worker: write this rank's one-line error into torch's error file (its format) for the parent
+    to print. `peer_failed`: a consequence (a collective failed because another rank died)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        data = {
+            "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
+            "trainkit": {"code": code, "peer_failed": peer_failed},
+        }
+        Path(path).write_text(json.dumps(data))
+    if peer_failed:  # let the agent see the rank that died first: it stops this one then (and names that one)
+        time.sleep(2)
+
+
+class _Cause(NamedTuple):
+    kind: int  # 0: an error a worker said, 1: killed by a signal, 2: a consequence of another rank's failure, 3: silent
+    timestamp: int
+    message: str
+    code: int  # the worker's exit status
+    ours: bool  # trainkit's own line (dist.fail), not an exception torch's `record` wrote
+    error_file: str = ""
+
+
+def _root_cause(failed, logs: str) -> tuple[ConfigError | RunError, int, bool]:
+    """The failure that explains the others, as (error, exit status, traceback kept). Read from every
+    error file of the last round, not only the failure the agent saw first: a rank whose collective
+    failed may exit before the rank that raised. The first kind wins, then the earliest, then rank 0."""
+    causes = {}
+    for rank, failure in failed.failures.items():
+        if failure.exitcode < 0:
+            causes[rank] = _Cause(1, failure.timestamp, f"died of {failure.signal_name()}", 1, False)
+        else:
+            causes[rank] = _Cause(
+                3, failure.timestamp, f"exited with status {failure.exitcode}", failure.exitcode, False
+            )
+    last_round = max(Path(logs).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]), default=None)
+    for path in sorted(last_round.glob("*/error.json")) if last_round else []:
+        data = json.loads(path.read_text())
+        said, ours = data["message"], data.get("trainkit")
+        kind = 2 if ours and ours["peer_failed"] else 0
+        timestamp = int(said["extraInfo"]["timestamp"])
+        causes[int(path.parent.name)] = _Cause(
+            kind, timestamp, said["message"], ours["code"] if ours else 1, bool(ours), str(path)
+        )
+    rank, cause = min(causes.items(), key=lambda item: (item[1].kind, item[1].timestamp, item[0]))
+    traceback = cause.kind == 0 and not cause.ours  # an exception trainkit does not know: torch's record wrote it
+    message = cause.message
+    if traceback:  # its first line here, the traceback in torch's error file
+        message = f"{message.strip().splitlines()[0][:300]} (traceback: {cause.error_file})"
+    text = message if cause.ours else f"rank {rank}: {message}"  # trainkit's line names a rank where it matters
+    return (ConfigError(text) if cause.code == 2 else RunError(text)), cause.code, traceback

@@ -66,3 +66,10 @@ def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():
     doc = ast.get_docstring(ast.parse(script.read_text()), clean=False)
     shown = run_script(str(script), "--help").stdout
     assert all(line.strip() in shown for line in doc.strip().splitlines())
+
+
+@pytest.mark.slow
+def test_bench_launch_times_one_process_and_self_launched_workers():
+    proc = run_script("scripts/bench_launch.py", "trainer.max_steps=2", "--repeats", "1", "--variants", "plain", "fork")
+    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["command (trainer.max_steps=2)", "plain", "fork"], proc.stdout

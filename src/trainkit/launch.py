@@ -104,7 +104,7 @@ class WorkersFailed(Exception):
 def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -> Any:
     """Run entry(cfg, run_dir, job) on N local workers under torch's elastic agent; rank 0's return value.
     Raises WorkersFailed with the root cause when the group failed (after parallel.max_restarts restarts)."""
-    from hydra.core.singleton import Singleton
+    from hydra.core.hydra_config import HydraConfig
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -117,7 +117,7 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
     try:
         _quiet_agent()
         launch = elastic_launch(_launch_config(cfg, logs), _worker)
-        return launch(entry, cfg, run_dir, job, Singleton.get_state())[0]
+        return launch(entry, cfg, run_dir, job, HydraConfig.instance().cfg)[0]
     except ChildFailedError as failed:
         error, code, keep_logs = _root_cause(failed, logs)
         raise WorkersFailed(error, code) from None
@@ -168,14 +168,14 @@ def _launch_config(cfg: DictConfig, logs: str):
     return config
 
 
-def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int, hydra_state: Any) -> Any:
+def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int, hydra_cfg: Any) -> Any:
     """One worker: torchrun's environment is set (RANK, WORLD_SIZE, MASTER_ADDR, the agent's store)."""
-    from hydra.core.singleton import Singleton
+    from hydra.core.hydra_config import HydraConfig
 
     os.environ[WORKER] = "1"
     for sig in SIGNALS:  # a forked worker inherits the agent's handlers: the agent's SIGTERM must end it at once
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    Singleton.set_state(hydra_state)  # HydraConfig (the job's overrides, sweep), also in a spawned worker
+    HydraConfig.instance().cfg = hydra_cfg  # the job's overrides and sweep (.hydra/, W&B), also when spawned
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per worker
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)

@@ -150,6 +150,15 @@ def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_
     assert err.strip() == "error: stopped by SIGTERM; the workers were ended"
 
 
+@pytest.mark.slow
+def test_help_shows_the_launch_forms_and_the_groups_a_run_picks_from(tmp_path):
+    out = run_train(tmp_path, "--help").stdout
+    assert "python src/train.py -m parallel.nproc_per_node=2 accumulation.steps=1,2,4" in out
+    assert "python src/train.py --cfg job --resolve" in out
+    assert "\n  model: cnn, gpt, mlp, resnet18\n" in out and "schema" not in out  # conf/'s groups only
+    assert 'README.md explains each group and key ("The config tree")' in out
+
+
 def test_nproc_per_node_that_contradicts_torchrun_is_refused(monkeypatch):
     monkeypatch.setitem(os.environ, "RANK", "0")
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "2")

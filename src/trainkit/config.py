@@ -155,6 +155,20 @@ def nodes() -> int:
 
 
 OmegaConf.register_new_resolver("nodes", nodes, replace=True)
+
+
+def config_groups() -> str:
+    """${config_groups:}: the groups a run picks from and their options, for --help (conf/hydra/default.yaml;
+    Hydra's $APP_CONFIG_GROUPS lists the schema's groups and conf/shared/ too)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    loader = GlobalHydra.instance().config_loader()
+    groups = sorted(set(loader.list_groups("")) - {"hydra", "schema", "shared"})
+    return "\n".join(f"  {group}: {', '.join(loader.get_group_options(group, ObjectType.CONFIG))}" for group in groups)
+
+
+OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 

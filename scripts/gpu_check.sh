@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one prepared check for a machine with GPUs (about 6 minutes on one GPU). First what a GPU user
 # runs first: the README's own commands (the default job, trainer.device=cuda, a model override,
-# torchrun DDP, a sweep and its report, predict.py). Then the test suite's CUDA-only tests, bf16
-# training of resnet18 on fake data and of the GPT, torch's SyncBN and FSDP under torchrun (two GPUs
-# or more), trainkit's overhead against the plain loop, peak memory with and without activation
-# checkpointing, and bench_accumulation on the GPUs present. Prints one table at the end.
+# torchrun DDP, self-launched DDP (parallel.nproc_per_node), a sweep and its report, predict.py). Then
+# the test suite's CUDA-only tests, bf16 training of resnet18 on fake data and of the GPT, torch's SyncBN
+# and FSDP under torchrun (two GPUs or more), trainkit's overhead against the plain loop, peak memory
+# with and without activation checkpointing, and bench_accumulation on the GPUs present. Prints one
+# table at the end.
 #
 #   bash scripts/gpu_check.sh            (after `make`; PY=... to use another interpreter)
 #
@@ -92,8 +93,10 @@ check "README: sweep -m accumulation.steps=1,2 + report.py" bash -c \
 if [[ $GPUS -ge 2 ]]; then
     train "README: torchrun x2 accumulation.steps=4" torchrun:2 accumulation.steps=4
     train "README: torchrun x2 +experiment=digits_cnn_ddp" torchrun:2 +experiment=digits_cnn_ddp
+    # Self-launched workers, forked: CUDA must first be initialised in them, not in train.py's process.
+    train "README: parallel.nproc_per_node=auto (x$GPUS, fork)" python parallel.nproc_per_node=auto trainer.max_steps=200
 else
-    row "README: torchrun x2" "skipped: one GPU"
+    row "README: torchrun x2, parallel.nproc_per_node=auto" "skipped: one GPU"
 fi
 
 if tests=$($PY -m pytest -q -k "cuda" -p no:cacheprovider tests 2>&1 | tail -1); then

@@ -125,6 +125,19 @@ def test_a_sweep_runs_its_jobs_one_after_another_each_on_workers_of_its_own(tmp_
 
 
 @pytest.mark.slow
+def test_a_job_trained_here_with_two_threads_then_forked_workers_do_not_hang(tmp_path):
+    # Job 0 trains in this process, its OpenMP pool at 2 threads; job 1 forks its workers from it (forced:
+    # OMP_NUM_THREADS > 1 would spawn them). A forked worker at 2 threads would hang in its first matmul.
+    env = {**_env(), "OMP_NUM_THREADS": "2", "TRAINKIT_START_METHOD": "fork"}
+    cmd = [sys.executable, str(ROOT / "src/train.py"), "-m", f"hydra.sweep.dir={tmp_path}", *TINY]
+    cmd += ["parallel.nproc_per_node=null,2", "trainer.max_steps=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "single x1" in proc.stdout and "ddp x2" in proc.stdout
+    assert (tmp_path / "0" / "model.pt").is_file() and (tmp_path / "1" / "model.pt").is_file()
+
+
+@pytest.mark.slow
 def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_and_leaves_no_process(tmp_path):
     # Two self-launched jobs at once on this machine: each rendezvous has a free port of its own.
     long = start_train(tmp_path / "long", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")

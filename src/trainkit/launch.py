@@ -9,6 +9,7 @@ as one line, printed here once; `parallel.max_restarts` restarts the group, whic
 dir's newest checkpoint.
 """
 
+import ctypes
 import json
 import logging
 import os
@@ -28,12 +29,20 @@ from omegaconf import DictConfig
 from trainkit import dist
 from trainkit.config import ConfigError, RunError
 
-# fork: a worker starts in well under a second with torch, trainkit and the composed config already in
-# memory; spawn imports them anew in each worker (seconds). Measured in README ("Launching"). Safe because
-# nothing here initialises CUDA before the workers start (device_count asks NVML; see _launch_config).
-START_METHOD = os.environ.get("TRAINKIT_START_METHOD", "fork")
 WORKER = "TRAINKIT_WORKER"  # set in every worker this module starts
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # those the elastic agent handles
+
+
+def start_method() -> str:
+    """fork: a worker starts in well under a second with torch, trainkit and the composed config already
+    in memory; spawn imports them anew in each worker (seconds; README, "Workers started by train.py").
+    Safe: nothing here initialises CUDA before the workers start (device_count asks NVML; see
+    _launch_config), and a forked worker computes with one intra-op thread (torchrun's default): at more,
+    an OpenMP pool this process has used (a sweep's job trained here) hangs its first parallel op.
+    OMP_NUM_THREADS > 1 asks for more threads: spawn. TRAINKIT_START_METHOD chooses (e.g. to rule fork out)."""
+    one_thread = os.environ.get("OMP_NUM_THREADS", "1") == "1"
+    return os.environ.get("TRAINKIT_START_METHOD") or ("fork" if one_thread else "spawn")
 
 
 def is_worker() -> bool:
@@ -117,7 +126,7 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
     try:
         _quiet_agent()
         launch = elastic_launch(_launch_config(cfg, logs), _worker)
-        return launch(entry, cfg, run_dir, job, HydraConfig.instance().cfg)[0]
+        return launch(entry, cfg, run_dir, job, HydraConfig.instance().cfg, os.getpid())[0]
     except ChildFailedError as failed:
         error, code, keep_logs = _root_cause(failed, logs)
         raise WorkersFailed(error, code) from None
@@ -157,7 +166,7 @@ def _launch_config(cfg: DictConfig, logs: str):
         rdzv_configs={"timeout": 60},  # the workers are local: they meet in well under a second
         max_restarts=cfg.parallel.max_restarts,  # LaunchConfig's default is 3
         monitor_interval=0.1,
-        start_method=START_METHOD,
+        start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=logs),  # error files only: workers print to this console
         local_addr="localhost",  # no lookup of this machine's FQDN
         # A NUMA option given skips LaunchConfig's probe, torch.accelerator.is_available(): it calls
@@ -168,22 +177,25 @@ def _launch_config(cfg: DictConfig, logs: str):
     return config
 
 
-def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int, hydra_cfg: Any) -> Any:
+def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int, hydra_cfg: Any, parent: int) -> Any:
     """One worker: torchrun's environment is set (RANK, WORLD_SIZE, MASTER_ADDR, the agent's store)."""
     from hydra.core.hydra_config import HydraConfig
 
     os.environ[WORKER] = "1"
+    if sys.platform == "linux":  # killed with this process's parent (SIGKILL of train.py leaves no worker)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before that
+            os._exit(1)
     for sig in SIGNALS:  # a forked worker inherits the agent's handlers: the agent's SIGTERM must end it at once
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     HydraConfig.instance().cfg = hydra_cfg  # the job's overrides and sweep (.hydra/, W&B), also when spawned
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: one intra-op thread per worker
+    if start_method() == "fork":  # one intra-op thread: see start_method
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         # A restarted group continues the run in its run dir: the newest checkpoint there, whatever the
         # first round started from (checkpoint.resume=null or a path would refuse or rewind it).
-        cfg = cfg.copy()
-        cfg.checkpoint.resume = "auto"
+        cfg.checkpoint.resume = "auto"  # this worker's copy
     return entry(cfg, run_dir, job)
 
 

@@ -221,21 +221,24 @@ class Faulty(nn.Module):
         running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
         fp16 overflow gives), "hang" (sleep as a stuck peer would), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
-    device too small for that micro-batch would (at_forward is not used)."""
+    device too small for that micro-batch would ("oom": the at_forward-th too)."""
 
     def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str, oom_above: int = 0):
         super().__init__()
         self.inner, self.fault, self.at_forward, self.rank, self.marker = inner, fault, at_forward, rank, Path(marker)
-        self.calls, self.oom_above = 0, oom_above
+        self.calls, self.oom_above, self.raises = 0, oom_above, False
+        if fault == "oom_backward":  # in the backward of the first layer: the last a backward runs
+            first = next(m for m in inner.modules() if not list(m.children()) and list(m.parameters()))
+            first.register_forward_hook(lambda module, args, out: _OutOfMemoryInBackward.apply(out, self.raises))
 
     def forward(self, x):
+        if self.fault == "oom_backward":  # the same graph on every rank, as a real one
+            self.raises = self.training and int(os.environ.get("RANK", 0)) == self.rank and len(x) > self.oom_above
         if not self.training or int(os.environ.get("RANK", 0)) != self.rank:
             return self.inner(x)
         self.calls += 1
-        if self.fault == "oom" and len(x) > self.oom_above:
+        if self.fault == "oom" and (len(x) > self.oom_above or self.calls == self.at_forward):
             raise torch.OutOfMemoryError(f"helpers.Faulty: out of memory at a micro-batch of {len(x)}")
-        if self.fault == "oom_backward" and len(x) > self.oom_above:
-            return self.inner(x) + _OutOfMemoryInBackward.apply(x.new_zeros(()).requires_grad_())
         if self.fault == "nan_input" and self.calls == self.at_forward:
             x = x.clone()
             x[0] = float("nan")
@@ -258,12 +261,15 @@ class Faulty(nn.Module):
 
 class _OutOfMemoryInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return x
+    def forward(ctx, x, raises: bool):
+        ctx.raises = raises
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        raise torch.OutOfMemoryError("helpers.Faulty: out of memory in a backward")
+        if ctx.raises:
+            raise torch.OutOfMemoryError("helpers.Faulty: out of memory in a backward")
+        return grad, None
 
 
 def faulty_model(

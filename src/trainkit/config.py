@@ -356,14 +356,6 @@ def _check_auto(cfg: DictConfig) -> None:
             f"data.batch_size=auto: accumulation.global_batch_size={acc.global_batch_size} is not a multiple "
             f"of the world size {W}"
         )
-    # An FSDP forward all-gathers and a SyncBN forward all-gathers statistics: a rank out of memory there
-    # leaves the others inside a collective the one flag cannot meet.
-    if cfg.parallel.mode == "fsdp" or cfg.parallel.sync_bn:
-        which = "parallel=fsdp" if cfg.parallel.mode == "fsdp" else "parallel.sync_bn=true"
-        raise ConfigError(
-            f"data.batch_size=auto is not supported with {which} (its forward runs collectives: ranks could not "
-            "agree on a retry); set data.batch_size"
-        )
     if cfg.parallel.get("static_graph", False):  # K may grow past 1: see accumulation_steps
         raise ConfigError(
             "data.batch_size=auto is not supported with parallel.static_graph=true (a halving makes K > 1, "

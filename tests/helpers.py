@@ -221,7 +221,8 @@ class Faulty(nn.Module):
         running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
         fp16 overflow gives), "hang" (sleep as a stuck peer would), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
-    device too small for that micro-batch would ("oom": the at_forward-th too)."""
+    device too small for that micro-batch would ("oom": the at_forward-th too); "rlimit": a real allocation
+    of 64 MiB a sample fails above `oom_above` samples (an address-space limit)."""
 
     def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str, oom_above: int = 0):
         super().__init__()
@@ -239,6 +240,8 @@ class Faulty(nn.Module):
         self.calls += 1
         if self.fault == "oom" and (len(x) > self.oom_above or self.calls == self.at_forward):
             raise torch.OutOfMemoryError(f"helpers.Faulty: out of memory at a micro-batch of {len(x)}")
+        if self.fault == "rlimit":
+            _allocate_under_rlimit(len(x), self.oom_above, first=self.calls == 1)
         if self.fault == "nan_input" and self.calls == self.at_forward:
             x = x.clone()
             x[0] = float("nan")
@@ -257,6 +260,18 @@ class Faulty(nn.Module):
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return out
+
+
+def _allocate_under_rlimit(samples: int, fitting: int, first: bool, per_sample: int = 64 << 20) -> None:
+    """A real allocation failure: `samples` x 64 MiB, under an address-space limit (set at the first
+    call) with room for `fitting` samples and 256 MiB to spare; the CPU allocator's "can't allocate"."""
+    import resource
+
+    if first:
+        size = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (size + (fitting + 4) * per_sample, hard))
+    torch.empty(samples * per_sample, dtype=torch.uint8)
 
 
 class _OutOfMemoryInBackward(torch.autograd.Function):

@@ -58,14 +58,29 @@ def searched(tmp_path_factory) -> tuple[Path, str]:
     return run_dir, run_in_process(run_dir, *RUN, *oom(8), "data.batch_size=auto", nproc=2)
 
 
-def test_an_oom_on_one_rank_halves_the_micro_batch_on_all_and_equals_the_fixed_run(searched, tmp_path):
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory) -> Path:
+    """The same run at a micro-batch of 8 from the start."""
+    run_dir = tmp_path_factory.mktemp("fixed")
+    run_in_process(run_dir, *RUN, *oom(1000), "data.batch_size=8", nproc=2)
+    return run_dir
+
+
+def test_an_oom_on_one_rank_halves_the_micro_batch_on_all_and_equals_the_fixed_run(searched, fixed):
     auto, out = searched
-    fixed = tmp_path / "fixed"
-    run_in_process(fixed, *RUN, *oom(1000), "data.batch_size=8", nproc=2)
     assert out.count(LINE) == 1 and out.count("out of memory") == 1, out
     assert_same_weights(auto, fixed)
     assert rows(auto) == rows(fixed)
     assert [r["micro_batch"] for r in rows(auto) if "loss" in r] == [8, 8, 8]
+
+
+def test_a_real_allocation_failure_on_one_rank_is_found_too(fixed, tmp_path):
+    # Rank 1's forward allocates 64 MiB a sample under an address-space limit (setrlimit) that leaves
+    # room for 8: the CPU allocator's own "can't allocate memory" at 16.
+    out = run_in_process(tmp_path, *RUN, *oom(8, fault="rlimit"), "data.batch_size=auto", nproc=2)
+    assert out.count(LINE) == 1, out
+    assert_same_weights(tmp_path, fixed)
+    assert rows(tmp_path) == rows(fixed)
 
 
 def test_two_halvings_the_second_in_a_non_syncing_micro_step_equal_the_fixed_run(tmp_path):

@@ -268,7 +268,8 @@ def _allocate_under_rlimit(samples: int, fitting: int, first: bool, per_sample: 
     import resource
 
     if first:
-        size = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+        status = Path("/proc/self/status").read_text().splitlines()
+        size = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
         resource.setrlimit(resource.RLIMIT_AS, (size + (fitting + 4) * per_sample, hard))
     torch.empty(samples * per_sample, dtype=torch.uint8)

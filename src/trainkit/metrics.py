@@ -240,6 +240,7 @@ class TrainMeter:
             "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
             "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
             "samples_per_s": self.row_samples / elapsed,
+            **({f"{self.items_name}_per_s": self.row_items.item() / elapsed} if self.items_name else {}),
             "time/data_wait": self.data_wait / elapsed,
             "skipped_steps": self.skipped,
         }

@@ -107,6 +107,40 @@ def test_two_ranks_k2_b8_equal_one_process_b32_on_the_corpus(single_text, tmp_pa
 
 
 @pytest.mark.slow
+def test_sampling_is_deterministic_and_the_same_on_1_and_2_ranks(single_text, tmp_path):
+    def sample(name, *overrides, nproc=1):
+        run_in_process(tmp_path / name, f"run_dir={single_text}", *overrides, nproc=nproc, script="predict")
+        return (tmp_path / name / "samples.txt").read_text()
+
+    settings = ["prompt=The", "max_new_tokens=24", "num_samples=3", "top_k=20"]
+    one = sample("one", *settings)
+    assert sample("two", *settings, nproc=2) == one  # rank 1 draws sample 2 alone: the same text
+    texts = one.split("\n---------------\n")[:-1]
+    assert len(texts) == 3 and all(t.startswith("The") and len(t) == 3 + 24 for t in texts)
+    assert len(set(texts)) == 3  # each sample its own draws
+    assert sample("again", *settings) == one
+    assert sample("seed", *settings, "seed=1") != one
+    greedy = sample("greedy", *settings, "temperature=0")
+    assert len(set(greedy.split("\n---------------\n")[:-1])) == 1  # argmax: no draws
+    assert sample("greedy_seed", *settings, "temperature=0", "seed=1") == greedy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("prompt=costs $5", "prompt='costs $5' has characters outside the run's vocabulary: '$'"),
+        ("temperature=-0.5", "temperature=-0.5 must be a number >= 0"),
+        ("top_k=0", "top_k=0 must be null or a positive integer"),
+    ],
+)
+def test_bad_sampling_settings_are_refused(single_text, tmp_path, override, message):
+    with pytest.raises(ConfigError) as error:
+        run_in_process(tmp_path, f"run_dir={single_text}", override, script="predict")
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.slow
 def test_a_resume_under_another_corpus_is_refused_naming_the_pythons(single_text, tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     name = "step_00000006.pt"

@@ -198,7 +198,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
-LOGGERS = ("none", "wandb")
+LOGGERS = ("none", "wandb", "tensorboard")
 COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (FSDP)
 

@@ -60,7 +60,7 @@ class Parallel:
 
 @dataclass
 class Logger:
-    name: str = "none"
+    name: str = "none"  # none | wandb | tensorboard
     project: str = "trainkit"
     entity: str | None = None
     group: str | None = None

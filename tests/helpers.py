@@ -144,7 +144,11 @@ SYNC_BN = [
 ]
 
 
-TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings: never equal between runs
+TIMINGS = (
+    "samples_per_s",
+    "tokens_per_s",
+    "time/data_wait",
+)  # metrics.jsonl's clock readings: never equal between runs
 
 
 def without_timings(row: dict) -> dict:
@@ -376,12 +380,13 @@ class TokenMeanPerMicroBatch:
     tokens (weighted like a sample mean, so a full window gets mean over micro-batches and ranks
     of their token means): a token in a short micro-batch weighs more than one elsewhere."""
 
-    items_name, eval_width = None, 4 + 2 * 9
+    items_name = None
 
-    def __init__(self, max_digits: int = 3):  # task=lm's keys (its schema): a swapped _target_ takes them
+    def __init__(self, max_digits: int = 3, per_character: bool = False):  # task=lm's keys (its schema)
         from trainkit.tasks import LanguageModel
 
         self.lm = LanguageModel(max_digits=max_digits)
+        self.eval_width = self.lm.eval_width
 
     def loss_sum(self, output, target):
         return self.lm.loss_sum(output, target) / self.lm.items(target).clamp(min=1) * len(target)

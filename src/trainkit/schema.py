@@ -60,7 +60,7 @@ class Parallel:
 
 @dataclass
 class Logger:
-    name: str = "none"
+    name: str = "none"  # none | wandb | tensorboard
     project: str = "trainkit"
     entity: str | None = None
     group: str | None = None
@@ -134,6 +134,7 @@ class AdamW:
     _partial_: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # torch's default
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Classification:
 class LanguageModel:
     _target_: str = MISSING
     max_digits: int | None = None
+    per_character: bool = False
 
 
 @dataclass
@@ -258,6 +260,20 @@ class Addition(Data):
     block_size: int = MISSING
 
 
+@dataclass
+class PydocTextSplits:
+    _target_: str = MISSING
+    block_size: int = MISSING
+
+
+@dataclass
+class PydocText(Data):
+    splits: PydocTextSplits = field(default_factory=PydocTextSplits)
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    per_character: bool = True  # task=lm: val/acc per character, and val/bpc
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
@@ -267,7 +283,13 @@ def register() -> None:
         "optim": {"adamw": AdamW, "sgd": SGD},
         "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
         "task": {"classification": Classification, "lm": LanguageModel},
-        "data": {"digits": Digits, "fake": Fake, "torchvision": Torchvision, "addition": Addition},
+        "data": {
+            "digits": Digits,
+            "fake": Fake,
+            "torchvision": Torchvision,
+            "addition": Addition,
+            "pydoc_text": PydocText,
+        },
     }
     for group, nodes in options.items():
         for name, node in nodes.items():

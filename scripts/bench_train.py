@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import config, dist, schedules  # noqa: E402
+from trainkit import config, dist, optim, schedules  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     model = instantiate(cfg.model).to(d.device)
     if d.distributed:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = optim.build(cfg.optim, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
     task = instantiate(cfg.task)
     sampler = DistributedSampler(train_set) if d.distributed else None

@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, schedules
+from trainkit import config, dist, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
@@ -87,7 +87,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         compile=cfg.trainer.compile,
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision
@@ -107,6 +107,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         "seed": cfg.seed,
         "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
         "optim._target_": cfg.optim._target_,
+        "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
         **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)

@@ -11,7 +11,7 @@ from helpers import max_diff, rows, run_in_process, weights
 from trainkit import text
 from trainkit.addition import IGNORE
 from trainkit.config import ConfigError
-from trainkit.data import TrainBatches
+from trainkit.data import SeededBatches, TrainBatches
 
 
 def test_the_split_is_by_document_fixed_disjoint_and_about_a_tenth():
@@ -48,7 +48,7 @@ def test_blocks_tile_each_document_and_never_cross_its_end():
 
 def test_the_corpus_blocks_hold_every_character_of_their_documents_once():
     docs = text.documents()
-    train, val = text.splits(64)
+    train, val = text.splits(64, random_offsets=False)
     for blocks in (train, val):
         x, y = blocks.tensors
         real = y != IGNORE
@@ -57,6 +57,29 @@ def test_the_corpus_blocks_hold_every_character_of_their_documents_once():
         assert (real[:, :-1] >= real[:, 1:]).all()  # padding only at a block's end
     with pytest.raises(ConfigError, match=r"data.block_size=1 must be an integer >= 2"):
         text.splits(1)
+
+
+def test_random_blocks_start_anywhere_in_their_document_and_never_cross_its_end():
+    docs = {"a": "abcdefghijklmnopqrstuvwx", "b": "XYZ"}  # 23 and 2 targets: 6 and 1 blocks of 4
+    vocab = text.Vocabulary("".join(sorted(set("".join(docs.values())))))
+    blocks = text.RandomBlocks(docs, ["a", "b"], vocab, block_size=4)
+    assert len(blocks) == 7 and blocks.draws_random  # as many as the tiles: the epoch's length is fixed
+    seeded = SeededBatches(blocks, seed=0)  # what TrainLoader loads through: seeds per (seed, epoch, sample)
+    starts = set()
+    for epoch in range(40):
+        for i, (x, y) in enumerate(seeded.__getitems__((epoch, list(range(7))))):
+            doc = docs["a" if i < 6 else "b"]
+            real = y != IGNORE
+            shown = vocab.decode(x[real].tolist()) + vocab.decode(y[real].tolist())[-1]
+            start = doc.find(shown)  # its characters, in order, from one place of its own document
+            assert start >= 0 and real.any() and (x[~real] == vocab.pad).all()
+            assert bool(real[:-1].all()) or start + len(shown) == len(doc)  # short only at the document's end
+            starts.add((i < 6, start))
+    assert {s for a, s in starts if a} == set(range(23))  # every start of "a" drawn in 40 epochs
+    again = seeded.__getitems__((3, [2]))[0], seeded.__getitems__((3, [2]))[0]
+    assert torch.equal(again[0][0], again[1][0])  # a function of (seed, epoch, index)
+    other = [seeded.__getitems__((e, [2]))[0][0] for e in range(5)]
+    assert len({tuple(t.tolist()) for t in other}) > 1  # and new blocks in another epoch
 
 
 # A tiny GPT on the corpus, 6 steps of a global batch of 32 blocks of 128 characters (AdamW, cosine
@@ -85,10 +108,10 @@ def single_text(tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_k2_b8_equal_one_process_b32_on_the_corpus(single_text, tmp_path):
     train, _ = text.splits(128)
-    counts = set()
-    for rank in range(2):  # what the 2-rank run's micro-batches hold
-        batches = TrainBatches(len(train), 2, rank, 8, seed=0)
-        counts |= {int((train.tensors[1][indices] != IGNORE).sum()) for _, indices in list(batches)[:12]}
+    loaded, counts = SeededBatches(train, seed=0), set()
+    for rank in range(2):  # what the 2-rank run's micro-batches hold (random blocks: drawn per sample)
+        for batch in list(TrainBatches(len(train), 2, rank, 8, seed=0))[:12]:
+            counts.add(sum(int((y != IGNORE).sum()) for _, y in loaded.__getitems__(batch)))
     assert len(counts) > 2, counts  # token counts differ between micro-batches
     run_in_process(tmp_path, *TEXT, "data.batch_size=8", "accumulation.steps=2", "parallel=ddp", nproc=2)
     single, ranks = rows(single_text), rows(tmp_path)

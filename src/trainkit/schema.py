@@ -135,6 +135,7 @@ class AdamW:
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # torch's default
+    decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class SGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
 
 
 @dataclass
@@ -264,6 +266,7 @@ class Addition(Data):
 class PydocTextSplits:
     _target_: str = MISSING
     block_size: int = MISSING
+    random_offsets: bool = MISSING
 
 
 @dataclass
@@ -271,6 +274,7 @@ class PydocText(Data):
     splits: PydocTextSplits = field(default_factory=PydocTextSplits)
     vocab_size: int = MISSING
     block_size: int = MISSING
+    random_offsets: bool = True  # train blocks start at random positions in their document (trainkit/text.py)
     per_character: bool = True  # task=lm: val/acc per character, and val/bpc
 
 

@@ -7,10 +7,12 @@ their names, a document joins the validation split while that split stays within
 characters (20 of 79 documents, 10.0 % of the characters under 3.11); the rest train.
 
 A sample is a block of `block_size` input characters and the `block_size` characters that follow
-each (next-character targets). Blocks tile each document and never cross its end: a document's last
-block is shorter, its inputs padded with PAD and its targets with IGNORE, so padding bears no loss
-and a batch's loss-bearing characters vary (the lm task normalises over them exactly). Each target
-character of a document is predicted exactly once per epoch (its first character is never a target).
+each (next-character targets). A block never crosses its document's end: one that reaches it is
+shorter, its inputs padded with PAD and its targets with IGNORE, so padding bears no loss and a
+batch's loss-bearing characters vary (the lm task normalises over them exactly). The val blocks tile
+each document (each target character exactly once: its first character is never a target); the
+train blocks start at random positions in their document (RandomBlocks, data.random_offsets) or
+tile it too.
 
 The vocabulary is the corpus's characters in sorted order, then PAD. It is written into the run dir
 (`vocab.json`), so predict.py encodes prompts and decodes samples without the corpus; the corpus's

@@ -150,6 +150,17 @@ def test_an_oom_inside_layers_with_collectives_after_a_no_sync_micro_step_equals
     assert rows(auto) == rows(fixed)
 
 
+def test_with_sync_each_batch_an_oom_in_the_forward_after_a_synced_micro_step_is_retried(tmp_path):
+    # Every micro-step syncs: rank 1's 3rd forward (the second micro-step at 8) comes after a finished
+    # gradient sync, not inside one. The attempt's syncs stay counted in the rows (they happened).
+    sync_each = [*SHORT, "accumulation.strategy=sync_each_batch", "parallel=ddp"]
+    auto, fixed = tmp_path / "auto", tmp_path / "fixed"
+    out = run_in_process(auto, *RUN, *sync_each, *oom(8), "+model.at_forward=3", "data.batch_size=auto", nproc=2)
+    run_in_process(fixed, *RUN, *sync_each, *oom(1000), "data.batch_size=4", nproc=2)
+    assert out.count("micro-batch 16 -> 8 -> 4 (out of memory), K 1 -> 2 -> 4") == 1, out
+    assert_same_weights(auto, fixed)
+
+
 def test_fsdp_retries_an_oom_in_the_syncing_backward(tmp_path):
     # In the first layer's backward: the last of a backward, after every unit's points; next would come
     # FSDP's end-of-backward reduce-scatter of that unit's gradients (its inputs need none).

@@ -94,9 +94,9 @@ class AutoBatch:
         if not self.enabled:
             yield from enumerate(micro)
             return
-        self.oom = self.agreed = False
+        self.oom = False
         for k, batch in enumerate(micro):
-            self.syncing = self.sync_each or k == len(micro) - 1
+            self.syncing, self.agreed = self.sync_each or k == len(micro) - 1, False
             if self.agreeing and self.ddp is not None and self.syncing and k > 0:
                 self._agree()  # DDP broadcasts buffers (BatchNorm's) as this forward starts: not alone
             if self.oom:

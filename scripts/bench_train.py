@@ -1,31 +1,38 @@
 """Training throughput: trainkit's loop (src/train.py's train()) against a plain PyTorch loop,
-side by side in one run, on the same model, data, optimizer, clipping and precision.
+side by side in one process, on the same model, data, optimizer, clipping and precision.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_train.py [--steps 400] [overrides ...]
+    .venv/bin/python scripts/bench_train.py [--blocks 12] [--steps 80] [--threads 1] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
-    ... --compile model=cnn: also trainkit with trainer.compile=true (the compiled steps are timed
-        after the first half: compilation is left out)
+    ... +experiment=pydoc_gpt: the character GPT on CPython's documentation (task=lm)
+    ... --compile model=cnn: also trainkit with trainer.compile=true (timed after its first half:
+        compilation is left out)
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 scripts/bench_train.py accumulation.steps=4
         (2-rank DDP: trainkit's loop against a plain DDP loop with the same no_sync accumulation)
 
-trainkit's figure is the samples/s of its last metrics row (log_every = steps / 2), so start-up,
-the final evaluation and checkpoint are left out; the plain loop is timed over the same second
-half of its steps. The difference is what trainkit adds per step: the sampler without padding,
-the per-sample seeds (for a data set that draws only: none for the default's in-memory digits),
-the metrics sums and the exact loss normalisation.
+A figure that holds on a shared machine: the two loops alternate in short blocks (--steps each,
+plain first in even blocks, trainkit first in odd ones), each timed over the second half of its
+block only (steady state: start-up, the first steps, the final evaluation and checkpoint are left
+out), in one process with the same threads. Load that comes and goes then hits both alike; the
+figure is the median of the blocks' ratios, with their quartiles. One intra-op thread by default
+(--threads): on a shared machine, OpenMP threads that wait on each other made single blocks 10x
+slower or faster (a range of 0.13-28.9 with 2 threads under load, 0.96-1.04 with one).
+
+trainkit's time is its last metrics row (log_every = steps / 2). What the ratio shows is what
+trainkit adds per step: the sampler without padding, the per-sample seeds (for a data set that
+draws only), the metrics sums and the exact loss normalisation.
 """
 
 import argparse
 import contextlib
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -35,20 +42,23 @@ from torch.utils.data import DataLoader, DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import config, dist, schedules  # noqa: E402
+from trainkit import config, dist, optim, schedules  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     """The loop a tutorial would write: shuffle, forward, mean loss, backward, clip, step, schedule;
-    under torchrun DDP with DistributedSampler and no_sync() around the first K-1 micro-batches."""
+    under torchrun DDP with DistributedSampler and no_sync() around the first K-1 micro-batches.
+    The loss is the task's (classification: cross-entropy; lm: over the loss-bearing tokens), a mean
+    per micro-batch / K as tutorials do."""
     torch.manual_seed(cfg.seed)
     train_set, _ = instantiate(cfg.data.splits)
     model = instantiate(cfg.model).to(d.device)
     if d.distributed:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = optim.build(cfg.optim, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
+    task = instantiate(cfg.task)
     sampler = DistributedSampler(train_set) if d.distributed else None
     loader = DataLoader(
         train_set, cfg.data.batch_size, shuffle=sampler is None, sampler=sampler, num_workers=cfg.data.num_workers
@@ -74,7 +84,7 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
             with model.no_sync() if d.distributed and k < K - 1 else contextlib.nullcontext():
                 with autocast():
-                    loss = F.cross_entropy(model(x), y) / K
+                    loss = task.loss_sum(model(x), y) / (task.items(y) if task.items_name else len(y)) / K
                 loss.backward()
             samples += len(y) * d.world_size
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -101,9 +111,10 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true")
+    parser.add_argument("--blocks", type=int, default=12, help="alternations of the two loops")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per loop and block")
+    parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true, once")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for both loops (default 1)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -117,26 +128,31 @@ def main() -> None:
                 *args.overrides,
             ],
         )
+    torch.set_num_threads(args.threads)
     d = dist.init("auto", cfg.trainer.device)
     d.print0(
         f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
         f"{d.device}, {torch.get_num_threads()} threads, {d.world_size} rank(s), "
-        f"K={config.accumulation_steps(cfg, d.world_size)}; "
-        f"best of {args.repeats}, second half of {args.steps} steps"
+        f"K={config.accumulation_steps(cfg, d.world_size)}; {args.blocks} blocks of {args.steps} steps "
+        "each, timed over their second half"
     )
-    plain, ours, compiled = [], [], []
-    for _ in range(args.repeats):  # alternate, so that load on the machine hits both alike
-        plain.append(plain_loop(cfg, d, args.steps))
-        ours.append(trainkit_loop(cfg, d, args.steps))
-        if args.compile:
-            compiled.append(trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps))
-    d.print0(f"plain loop   {max(plain):>10,.0f} samples/s")
-    d.print0(f"trainkit     {max(ours):>10,.0f} samples/s")
-    d.print0(f"ratio trainkit / plain: {max(ours) / max(plain):.2f}")
-    if compiled:
-        d.print0(
-            f"trainkit, trainer.compile=true {max(compiled):>10,.0f} samples/s: {max(compiled) / max(ours):.2f}x eager"
-        )
+    loops = {"plain": lambda: plain_loop(cfg, d, args.steps), "trainkit": lambda: trainkit_loop(cfg, d, args.steps)}
+    rates: dict[str, list[float]] = {"plain": [], "trainkit": []}
+    for block in range(args.blocks):
+        for name in sorted(loops, reverse=block % 2 == 1):  # plain first, then trainkit first: drift cancels
+            rates[name].append(loops[name]())
+    ratios = [ours / plain for ours, plain in zip(rates["trainkit"], rates["plain"], strict=True)]
+    for name, values in rates.items():
+        d.print0(f"{name:<12} {statistics.median(values):>10,.0f} samples/s (median of {len(values)} blocks)")
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    d.print0(
+        f"ratio trainkit / plain: {statistics.median(ratios):.2f} (median of {len(ratios)} blocks; "
+        f"quartiles {low:.2f}-{high:.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+    if args.compile:
+        compiled = trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps)
+        eager = statistics.median(rates["trainkit"])
+        d.print0(f"trainkit, trainer.compile=true {compiled:>10,.0f} samples/s: {compiled / eager:.2f}x eager")
     dist.teardown(finished=True)
 
 

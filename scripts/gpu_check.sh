@@ -115,10 +115,10 @@ else
     row "SyncBN / FSDP under torchrun" "skipped: one GPU"
 fi
 
-for setup in "data=fake model=resnet18 data.batch_size=128" "data=fake model=cnn" ""; do
+for setup in "data=fake model=resnet18 data.batch_size=128" "data=fake model=cnn" "+experiment=pydoc_gpt" ""; do
     # shellcheck disable=SC2086  # the overrides are words
-    ratio=$($PY scripts/bench_train.py --repeats 3 trainer.device=cuda trainer.precision=bf16 $setup 2>&1 |
-        grep -E "^(plain loop|trainkit|ratio)" | tr -s ' ' | paste -sd ';')
+    ratio=$($PY scripts/bench_train.py --blocks 6 trainer.device=cuda trainer.precision=bf16 $setup 2>&1 |
+        grep -E "^(plain|trainkit) +[0-9]|^ratio" | tr -s ' ' | paste -sd ';')
     row "overhead vs plain loop, bf16 ${setup:-default mlp}" "${ratio:-FAILED}"
 done
 

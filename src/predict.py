@@ -4,6 +4,10 @@
 Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt, predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
 predictions.csv and metrics.json into this job's own run dir: the same files for any N.
+
+A text run (data=pydoc_text: a vocab.json in its run dir) is sampled from instead: `prompt=`,
+`max_new_tokens=`, `temperature=` (0: greedy), `top_k=`, `seed=`, `num_samples=`; rank 0 writes
+samples.txt, the same for any N (trainkit/sampling.py). The corpus is not needed.
 """
 
 import json
@@ -16,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist
+from trainkit import config, dist, sampling
 from trainkit.addition import END, IGNORE
 from trainkit.checkpoint import load_model
 from trainkit.config import ConfigError, user_error
@@ -24,6 +28,7 @@ from trainkit.data import eval_loader
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
 from trainkit.tasks import LanguageModel
+from trainkit.text import Vocabulary
 
 SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
 
@@ -134,6 +139,30 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     return metrics["accuracy"]
 
 
+SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)
+
+
+def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.Dist, out_dir: Path) -> None:
+    """Text samples from a text run's model: samples.txt and stdout (rank 0)."""
+    run_dir = Path(cfg.run_dir)
+    run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
+    model = instantiate(run_cfg.model)
+    load_weights(model, run_dir / "model.pt")
+    d.print0(
+        f"sample | run dir {run_dir} | {cfg.num_samples} sample(s) of {cfg.max_new_tokens} characters, "
+        f"temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | {d.world_size} rank(s) on "
+        f"{d.device} | writing to {out_dir}"
+    )
+    texts = sampling.samples(
+        model.to(d.device), cfg.prompt, cfg, vocab, d, autocast_for(cfg.trainer.precision, d.device)
+    )
+    if d.is_main:
+        config.save(cfg, out_dir)
+        (out_dir / "samples.txt").write_text("".join(text + SEPARATOR for text in texts))
+    d.print0("".join(text + SEPARATOR for text in texts), end="")
+    d.print0(f"done: wrote {out_dir / 'samples.txt'}")
+
+
 @hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -149,12 +178,19 @@ def main(cfg: DictConfig) -> float | None:
         dist.teardown()
 
 
-def predict_run(cfg: DictConfig, out_dir: Path) -> float:
-    """Load the run's config (before the process group: fail fast, on every rank alike), join the
-    process group, predict into `out_dir`."""
+def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
+    """Load the run's config and check the settings (before the process group: fail fast, on every
+    rank alike), join the process group, predict (or sample, from a text run) into `out_dir`."""
     run_cfg = load_run_config(cfg)
+    vocab = Vocabulary.load(Path(cfg.run_dir))  # a text run's vocabulary, else None
+    if vocab is not None:
+        sampling.check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
-    accuracy = run(cfg, run_cfg, d, out_dir)
+    accuracy = None
+    if vocab is None:
+        accuracy = run(cfg, run_cfg, d, out_dir)
+    else:
+        sample_run(cfg, run_cfg, vocab, d, out_dir)
     dist.teardown(finished=True)  # before the interpreter exits, see teardown
     return accuracy
 

@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, launch, schedules
+from trainkit import config, dist, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
@@ -87,7 +87,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         compile=cfg.trainer.compile,
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
-    optimizer = instantiate(cfg.optim)(model.parameters())
+    optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision
@@ -107,8 +107,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         "seed": cfg.seed,
         "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
         "optim._target_": cfg.optim._target_,
+        "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
         **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
+        **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
     settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
@@ -131,7 +133,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         if changed := config.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
             d.print0(f"resume: applying the changed settings {', '.join(changed)}")
     if d.is_main:
-        config.save(cfg, run_dir)  # only now: a refused run leaves the run dir as it was
+        # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
+        config.save(cfg, run_dir, getattr(train_set, "files", {}))
 
     d.print0(
         f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
@@ -140,6 +143,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         f"x {auto.K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
     )
+    if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
+        d.print0(summary)
 
     step, val = start["step"], {}
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
@@ -216,6 +221,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     console.print(
                         f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
                         f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
+                        + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
                     )
                 with meter.paused():
                     if eval_now:
@@ -223,6 +229,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         console.print(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
                             f"val acc {val['val/acc']:.4f}"
+                            + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
                         )
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)

@@ -176,7 +176,11 @@ def faulty(fault: str, at_forward: int, rank: int, marker: Path | str, name: str
     ]
 
 
-TIMINGS = ("samples_per_s", "time/data_wait")  # metrics.jsonl's clock readings: never equal between runs
+TIMINGS = (
+    "samples_per_s",
+    "tokens_per_s",
+    "time/data_wait",
+)  # metrics.jsonl's clock readings: never equal between runs
 
 
 def without_timings(row: dict) -> dict:
@@ -254,21 +258,27 @@ class Faulty(nn.Module):
         fp16 overflow gives), "hang" (sleep as a stuck peer would), "raise" (an exception trainkit does
         not know, as a bug raises), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
-    device too small for that micro-batch would (at_forward is not used)."""
+    device too small for that micro-batch would ("oom": the at_forward-th too); "rlimit": a real allocation
+    of 64 MiB a sample fails above `oom_above` samples (an address-space limit)."""
 
     def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str, oom_above: int = 0):
         super().__init__()
         self.inner, self.fault, self.at_forward, self.rank, self.marker = inner, fault, at_forward, rank, Path(marker)
-        self.calls, self.oom_above = 0, oom_above
+        self.calls, self.oom_above, self.raises = 0, oom_above, False
+        if fault == "oom_backward":  # in the backward of the first layer: the last a backward runs
+            first = next(m for m in inner.modules() if not list(m.children()) and list(m.parameters()))
+            first.register_forward_hook(lambda module, args, out: _OutOfMemoryInBackward.apply(out, self.raises))
 
     def forward(self, x):
+        if self.fault == "oom_backward":  # the same graph on every rank, as a real one
+            self.raises = self.training and int(os.environ.get("RANK", 0)) == self.rank and len(x) > self.oom_above
         if not self.training or int(os.environ.get("RANK", 0)) != self.rank:
             return self.inner(x)
         self.calls += 1
-        if self.fault == "oom" and len(x) > self.oom_above:
+        if self.fault == "oom" and (len(x) > self.oom_above or self.calls == self.at_forward):
             raise torch.OutOfMemoryError(f"helpers.Faulty: out of memory at a micro-batch of {len(x)}")
-        if self.fault == "oom_backward" and len(x) > self.oom_above:
-            return self.inner(x) + _OutOfMemoryInBackward.apply(x.new_zeros(()).requires_grad_())
+        if self.fault == "rlimit":
+            _allocate_under_rlimit(len(x), self.oom_above, first=self.calls == 1)
         if self.fault == "nan_input" and self.calls == self.at_forward:
             x = x.clone()
             x[0] = float("nan")
@@ -291,14 +301,30 @@ class Faulty(nn.Module):
         return out
 
 
+def _allocate_under_rlimit(samples: int, fitting: int, first: bool, per_sample: int = 64 << 20) -> None:
+    """A real allocation failure: `samples` x 64 MiB, under an address-space limit (set at the first
+    call) with room for `fitting` samples and 256 MiB to spare; the CPU allocator's "can't allocate"."""
+    import resource
+
+    if first:
+        status = Path("/proc/self/status").read_text().splitlines()
+        size = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmSize:"))
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (size + (fitting + 4) * per_sample, hard))
+    torch.empty(samples * per_sample, dtype=torch.uint8)
+
+
 class _OutOfMemoryInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return x
+    def forward(ctx, x, raises: bool):
+        ctx.raises = raises
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        raise torch.OutOfMemoryError("helpers.Faulty: out of memory in a backward")
+        if ctx.raises:
+            raise torch.OutOfMemoryError("helpers.Faulty: out of memory in a backward")
+        return grad, None
 
 
 def faulty_model(
@@ -389,12 +415,13 @@ class TokenMeanPerMicroBatch:
     tokens (weighted like a sample mean, so a full window gets mean over micro-batches and ranks
     of their token means): a token in a short micro-batch weighs more than one elsewhere."""
 
-    items_name, eval_width = None, 4 + 2 * 9
+    items_name = None
 
-    def __init__(self, max_digits: int = 3):  # task=lm's keys (its schema): a swapped _target_ takes them
+    def __init__(self, max_digits: int = 3, per_character: bool = False):  # task=lm's keys (its schema)
         from trainkit.tasks import LanguageModel
 
         self.lm = LanguageModel(max_digits=max_digits)
+        self.eval_width = self.lm.eval_width
 
     def loss_sum(self, output, target):
         return self.lm.loss_sum(output, target) / self.lm.items(target).clamp(min=1) * len(target)

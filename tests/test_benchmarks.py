@@ -51,7 +51,7 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_bench_train_runs_both_loops_single_and_ddp(launcher):
     """A quick run of each: both loops train and the ratio is printed (its value means nothing here)."""
-    script = ["scripts/bench_train.py", "--steps", "20", "--repeats", "1", "data.batch_size=8"]
+    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "data.batch_size=8"]
     if launcher == "torchrun":
         script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
     proc = run_script(*script)

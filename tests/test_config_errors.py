@@ -28,7 +28,7 @@ CATALOGUE = [
     (["seed=abc"], "seed=abc must be an integer"),
     # Unknown options and keys.
     (["model=nope"], "model=nope is not one of: cnn, gpt, mlp, resnet18"),
-    (["data=nope"], "data=nope is not one of: addition, cifar10, digits, fake, mnist"),
+    (["data=nope"], "data=nope is not one of: addition, cifar10, digits, fake, mnist, pydoc_text"),
     (["model.widht=3"], "model.widht is not a setting of model; its settings: _target_, in_shape, num_classes, width"),
     (["+model.extra=3"], "trainkit.models.mlp: mlp() got an unexpected keyword argument 'extra'"),
     # Ranges and choices (config.check), also of values that reach _target_ constructors.
@@ -80,7 +80,7 @@ CATALOGUE = [
     ),
     (["+foo=1"], "foo is not a setting of the root; its settings: seed, model, data, optim, sched, task, trainer"),
     (["+data.foo=1"], "data.foo is not a setting of data; its settings: name, splits, shape, num_classes"),
-    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb"),
+    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb, tensorboard"),
     (
         ["accumulation.global_batch_size=64", "accumulation.steps=1"],
         "accumulation.steps=1 disagrees with accumulation.global_batch_size=64: 64 / (data.batch_size x world size "
@@ -96,6 +96,7 @@ CATALOGUE = [
         "data.block_size=5 is shorter than the longest problem of data.max_digits=3 (12 tokens)",
     ),
     (["+experiment=addition_gpt", "model.block_size=4"], "model.block_size=4 must be at least data.block_size=24"),
+    (["data=pydoc_text", "model=gpt", "data.block_size=1"], "data.block_size=1 must be an integer >= 2"),
     (["+experiment=addition_gpt", "model.vocab_size=5"], "model.vocab_size=5 must be at least data.vocab_size=14"),
     (["task=lm"], "task=lm needs a token data set (data.vocab_size, e.g. data=addition); data=digits has none"),
     (

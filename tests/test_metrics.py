@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import run_train
+from helpers import rows, run_in_process, run_train
 from trainkit.metrics import swept_keys, wandb_mode
 
 
@@ -74,3 +74,25 @@ def test_swept_keys_are_the_sweep_overrides_and_the_sweepers_params(tmp_path):
     )
     assert swept_keys(path) == {"trainer.max_steps", "seed", "x", "accumulation.steps"}
     assert swept_keys(tmp_path / "absent.yaml") == set()
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_the_rows_and_the_config_and_a_resume_appends(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = ["logger=tensorboard", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2"]
+    run_in_process(tmp_path, *overrides, "checkpoint.every=2")
+    # As if the run died after logging step 4, before its checkpoint: the resume logs steps 3 and 4 again.
+    (tmp_path / "checkpoints" / "step_00000004.pt").unlink()
+    (tmp_path / "model.pt").unlink()
+    run_in_process(tmp_path, *overrides, "checkpoint.every=2")
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2  # one file per attempt, in the run dir
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    logged = rows(tmp_path)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm", "samples", "comm/grad_syncs", "epoch", "val/loss", "val/acc"):
+        want = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged if key in r]
+        assert [(s.step, s.value) for s in events.Scalars(key)] == want, key  # each step once: no stale rows
+    configs = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("config/text_summary")]
+    assert len(configs) == 2 and all("max_steps: 4" in c and "name: tensorboard" in c for c in configs)

@@ -51,3 +51,23 @@ def test_one_cycle_rejects_a_bad_setting_naming_it():
     with pytest.raises(ConfigError, match="pct_start=1.5"):
         one_cycle(0, total_steps=10, pct_start=1.5)
     assert one_cycle(0, total_steps=10, pct_start=0.1) == 1.0  # the peak at step 0 (torch's divides by zero)
+
+
+@pytest.mark.parametrize("decay_all", [True, False])
+def test_decay_norms_and_biases_false_exempts_the_vectors_from_weight_decay(decay_all):
+    from helpers import compose_cfg
+    from trainkit import optim
+
+    cfg = compose_cfg("optim=adamw", "optim.weight_decay=0.5", f"optim.decay_norms_and_biases={decay_all}")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)  # nonzero (a LayerNorm's bias starts at 0): the decay shows
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = optim.build(cfg.optim, model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # AdamW's step is then the decay alone
+    optimizer.step()
+    for name, p in model.named_parameters():
+        decayed = not torch.equal(p, before[name])
+        assert decayed == (decay_all or p.dim() >= 2), name  # biases and the LayerNorm's gain: only when all decay

@@ -5,25 +5,41 @@ every rank halves the micro-batch and doubles K together and the same window run
 is then the one that used the found micro-batch from the start (windows are (W, K, b)-invariant,
 dropout draws depend on (seed, step, rank) alone).
 
-The ranks agree through an all-reduce of a flag where no rank can be inside another collective: at
-the end of the forward before a syncing backward (a hook on the unwrapped model, before DDP arms its
-gradient sync) and, with K > 1, just before that forward too (DDP broadcasts BatchNorm's buffers as
-it starts); a rank that already ran out of memory takes the flag in their place. One all-reduce per
-window at K = 1, two at K > 1 (per micro-step with sync_each_batch): only with data.batch_size=auto.
-A rank that runs out of memory in a syncing backward, after the others started syncing gradients,
-cannot retry: it ends the run (the others see the collective fail, within parallel.timeout_s).
+The ranks agree through an all-reduce of a flag at points where no rank can be inside another
+collective; a rank that runs out of memory takes the next one in place of the others, so all learn
+it at once. Where the points are:
+- DDP: at the end of the forward before a syncing backward (a hook on the unwrapped model, before
+  DDP arms its gradient sync) and, with K > 1, just before that forward too (DDP broadcasts
+  BatchNorm's buffers as it starts): one or two tiny all-reduces a window, for the whole run. A rank
+  that runs out of memory in the syncing backward, after the others started syncing gradients,
+  cannot retry: it ends the run (the others see the collective fail, within parallel.timeout_s).
+- Modules whose forward or backward run collectives (FSDP2's units all-gather and reduce-scatter,
+  SyncBN layers all-reduce statistics): before each of those (forward pre-hook; gradient hooks on
+  the outputs, before FSDP's pre-backward all-gather, and on the inputs, before its post-backward
+  reduce-scatter) and before FSDP's end-of-backward callback. So under FSDP even an out-of-memory in
+  the syncing backward is retried. That is a host sync per layer: only while searching, until two
+  windows fit (the second after the optimizer allocated its state); an out-of-memory after the
+  search ends the run with one error.
 """
 
 import contextlib
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from trainkit import config
 from trainkit.config import RankError, RunError
 from trainkit.dist import Dist
 from trainkit.parallel import unwrap
+from trainkit.syncbn import SyncBatchNorm
+
+SEARCH_WINDOWS = 2  # windows that must fit before a search with per-layer points ends
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -34,7 +50,7 @@ def out_of_memory(error: BaseException) -> bool:
 
 
 class _PeerOutOfMemory(Exception):
-    """Raised at the end of this rank's forward when another rank ran out of memory: the window is dropped."""
+    """Raised at an agreement point when another rank ran out of memory: the window is dropped."""
 
 
 class AutoBatch:
@@ -52,47 +68,74 @@ class AutoBatch:
         self.sync_each = cfg.accumulation.strategy == "sync_each_batch"  # every micro-step's backward syncs
         self.batch_size, self.K = self.per_rank, 1
         self.found = [self.batch_size]  # this search's micro-batches, for its one log line
-        self.armed = self.failed = self.oom = False
-        self.agreed: bool | None = None
+        self.fitted = 0  # windows that fitted
+        self.agreeing = True  # the points are on (with per-layer points: while searching)
+        self.armed = self.syncing = self.oom = self.agreed = self.end_queued = False
+        self.ddp: DDP | None = None
+        self.fsdp: FSDPModule | None = None
+        self.layer_points: list[RemovableHandle] = []
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Take the agreement at the end of the wrapped `model`'s inner (unwrapped) forward, when armed."""
-        if self.enabled:
-            self.ddp = model if isinstance(model, DDP) else None
-            unwrap(model).register_forward_hook(self._hook)
+        """Place the agreement points on the wrapped `model` (see the module docstring)."""
+        if not self.enabled:
+            return
+        inner = unwrap(model)
+        self.ddp = model if isinstance(model, DDP) else None
+        self.fsdp = model if isinstance(model, FSDPModule) else None
+        if self.ddp is not None:
+            inner.register_forward_hook(self._end_of_forward)
+        if self.d.distributed:
+            for module in inner.modules():
+                if isinstance(module, (FSDPModule, SyncBatchNorm, torch.nn.SyncBatchNorm)):
+                    self.layer_points += _points_around(module, self._point, self._before_backward)
 
     def micro_steps(self, micro: list):
-        """(k, batch) of the window's micro-batches, until a rank runs out of memory. The forward
-        before a syncing backward (the last; with sync_each_batch each) takes the ranks' agreement
-        in its hook; a rank that stopped early takes it here, in its place."""
+        """(k, batch) of the window's micro-batches, until a rank runs out of memory."""
         if not self.enabled:
             yield from enumerate(micro)
             return
-        self.failed = self.oom = False
+        self.oom = False
         for k, batch in enumerate(micro):
-            if self.failed or self.oom:
+            self.syncing, self.agreed = self.sync_each or k == len(micro) - 1, False
+            if self.agreeing and self.ddp is not None and self.syncing and k > 0:
+                self._agree()  # DDP broadcasts buffers (BatchNorm's) as this forward starts: not alone
+            if self.oom:
                 break
-            syncing = self.sync_each or k == len(micro) - 1
-            if syncing and k > 0:  # also before it: DDP broadcasts buffers (BatchNorm's) as that forward starts,
-                self._agree(False)  # where a rank that already stopped could not join
-                if self.oom:
-                    break
-            self.armed, self.agreed = syncing, None
+            self.armed, self.end_queued = self.agreeing, False
             yield k, batch
-        self.armed = False
-        if self.agreed is None:  # this rank stopped before the forward that takes it
-            self._agree(self.failed)
-
-    def _agree(self, failed: bool) -> None:
-        self.oom = self.d.any(failed)  # the one all-reduce: every rank takes the same branch
-        self.agreed = True
-
-    def _hook(self, module, args, output):
-        if self.armed:
             self.armed = False
-            self._agree(False)
-            if self.oom:  # another rank ran out of memory: end this forward before DDP arms its sync
+            if self.oom:
+                break
+
+    def _agree(self, failed: bool = False) -> None:
+        self.oom = self.d.any(failed)  # the one all-reduce: every rank takes the same branch
+
+    def _point(self, *_) -> None:
+        """An agreement point in a micro-step's forward or backward: raises on every rank when some
+        rank ran out of memory before it."""
+        if self.armed:
+            self._agree()
+            if self.oom:
+                self.armed = False
                 raise _PeerOutOfMemory
+
+    def _end_of_forward(self, *_) -> None:  # DDP: the last point before its gradient sync
+        if self.armed and self.syncing:
+            self._point()
+            self.agreed = True
+
+    def _before_backward(self) -> None:
+        """A point before a layer's backward; the first in a backward also queues the point before
+        FSDP's end-of-backward callback (queued before FSDP queues it, so run before it)."""
+        self._point()
+        if self.armed and not self.end_queued:
+            self.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._point()
+        if self.fsdp is not None and self.syncing:
+            self.agreed = True  # next: FSDP's reduce-scatters of the gradients not reduced yet
 
     @contextlib.contextmanager
     def catching(self):
@@ -107,15 +150,19 @@ class AutoBatch:
         except Exception as error:
             if not out_of_memory(error):
                 raise
-            if self.agreed and self.d.distributed:
+            if self.d.distributed and (self.agreed or not self.agreeing):
+                where = (
+                    "in the gradient-syncing backward at micro-batch {b} (data.batch_size=auto)"
+                    if self.agreed
+                    else "at micro-batch {b} after the search (data.batch_size=auto with collectives in the layers "
+                    f"retries only until {SEARCH_WINDOWS} windows fit)"
+                ).format(b=self.batch_size)
                 raise RankError(
-                    f"out of memory in the gradient-syncing backward at micro-batch {self.batch_size} "
-                    "(data.batch_size=auto): the other ranks were already syncing, no retry is possible; "
+                    f"out of memory {where}: the other ranks were already in a collective, no retry is possible; "
                     f"set data.batch_size={max(1, self.batch_size // 2)}"
                 ) from error
-            self.failed = True
-            if self.agreed:  # one process: nobody waits, retry after the last backward too
-                self.oom = True
+            self.armed = False
+            self._agree(failed=True)  # the point the others wait at, taken in their place
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
@@ -125,10 +172,7 @@ class AutoBatch:
         if not self.enabled:
             return False
         if not self.oom:
-            if len(self.found) > 1:  # the search is over: say it once
-                Ks = " -> ".join(str(self.per_rank // b) for b in self.found)
-                self.d.print0(f"micro-batch {' -> '.join(map(str, self.found))} (out of memory), K {Ks}")
-                self.found = [self.batch_size]
+            self._fitted()
             return False
         if self.batch_size == 1:
             raise RunError(
@@ -142,7 +186,21 @@ class AutoBatch:
             # post-forward sets; a forward that raised never got there, and on some ranks only. As a
             # window's first forward does after the previous window's sync: broadcast, on every rank.
             self.ddp.require_forward_param_sync = True
+        if self.fsdp is not None:
+            self.fsdp.reset_iter_state()  # FSDP2's recovery from an aborted forward or backward
+            _drop_unsharded_gradients(cast(torch.nn.Module, self.fsdp))
         return True
+
+    def _fitted(self) -> None:
+        self.fitted += 1
+        if len(self.found) > 1:  # a search found a smaller micro-batch: say it once
+            Ks = " -> ".join(str(self.per_rank // b) for b in self.found)
+            self.d.print0(f"micro-batch {' -> '.join(map(str, self.found))} (out of memory), K {Ks}")
+            self.found = [self.batch_size]
+        if self.layer_points and self.fitted == SEARCH_WINDOWS:  # their host syncs cost too much to keep
+            for handle in self.layer_points:
+                handle.remove()
+            self.layer_points, self.agreeing = [], False
 
     def _set(self, batch_size: int) -> None:
         self.batch_size, self.K = batch_size, self.per_rank // batch_size
@@ -157,3 +215,40 @@ class AutoBatch:
             fits = [b for b in range(1, self.per_rank + 1) if self.per_rank % b == 0 and b <= state["micro_batch"]]
             self._set(max(fits))
             self.found = [self.batch_size]
+
+
+def _points_around(module: torch.nn.Module, point: Callable, before_backward: Callable) -> list[RemovableHandle]:
+    """Agreement points before each collective a module (FSDP unit, SyncBN layer) may run: before
+    its forward (FSDP's pre-forward all-gathers); on its outputs' gradients (FSDP's pre-backward
+    all-gathers, SyncBN's backward all-reduces); on its inputs' gradients (FSDP's post-backward
+    reduce-scatters). Each registered where it runs before FSDP2's own hook of that place."""
+
+    def on_inputs(module, args, kwargs) -> None:
+        _on_gradients((args, kwargs), point)  # FSDP's pre-forward wrapped them: our hook runs first
+
+    def on_outputs(module, args, output) -> None:
+        _on_gradients(output, before_backward)  # before FSDP's post-forward registers its hooks
+
+    return [
+        module.register_forward_pre_hook(point, prepend=True),
+        module.register_forward_pre_hook(on_inputs, with_kwargs=True),
+        module.register_forward_hook(on_outputs, prepend=True),
+    ]
+
+
+def _on_gradients(tensors, hook: Callable) -> None:
+    for t in tree_leaves(tensors):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad: hook())
+
+
+def _drop_unsharded_gradients(model: torch.nn.Module) -> None:
+    """The gradients a no_sync micro-step accumulated in FSDP2's unsharded parameters (which
+    reset_iter_state leaves): the retried window starts from none."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and (state := module._get_fsdp_state()):
+            for group in state._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if hasattr(param, "_unsharded_param"):
+                        param._unsharded_param.grad = None

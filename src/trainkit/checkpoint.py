@@ -197,19 +197,31 @@ def _fsync_dir(directory: Path) -> None:
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse a resume that cannot continue the same run exactly, naming the difference.
 
-    `saved` and `current` map setting names to values (train.py's `identity`)."""
+    `saved` and `current` map setting names to values (train.py's `identity`). A value that names
+    its source (`{"sha256": ..., "source": ...}`: a corpus and the Python it came from) is compared
+    by its checksum alone and said with its source."""
     for key in current:
-        if saved.get(key) != current[key]:
+        if _content(saved.get(key)) != _content(current[key]):
             hint = (
                 f"; on another world size set accumulation.global_batch_size={saved[key]} (K adapts)"
                 if key == "global_batch"
                 else ""
             )
             raise ConfigError(
-                f"checkpoint.resume: the checkpoint was written with {key}={saved.get(key)}, "
-                f"this run has {key}={current[key]}; exact resume needs the same "
+                f"checkpoint.resume: the checkpoint was written with {key}={_said(saved.get(key))}, "
+                f"this run has {key}={_said(current[key])}; exact resume needs the same "
                 f"(or choose another hydra.run.dir){hint}"
             )
+
+
+def _content(value):
+    return value["sha256"] if isinstance(value, dict) and "sha256" in value else value
+
+
+def _said(value):
+    return (
+        f"{value['source']} (sha256 {value['sha256'][:12]})" if isinstance(value, dict) and "sha256" in value else value
+    )
 
 
 def load_model(module: torch.nn.Module, state_dict, source) -> None:

@@ -157,6 +157,16 @@ def nodes() -> int:
 OmegaConf.register_new_resolver("nodes", nodes, replace=True)
 
 
+def pydoc_vocab_size() -> int:
+    """${pydoc_vocab_size:} (data=pydoc_text): the running Python's corpus's characters and the padding token."""
+    from trainkit import text  # here: text imports this module (ConfigError)
+
+    return text.vocab_size()
+
+
+OmegaConf.register_new_resolver("pydoc_vocab_size", pydoc_vocab_size, replace=True)
+
+
 def config_groups() -> str:
     """${config_groups:}: the groups a run picks from and their options, for --help (conf/hydra/default.yaml;
     Hydra's $APP_CONFIG_GROUPS lists the schema's groups and conf/shared/ too)."""
@@ -172,11 +182,12 @@ OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)
 schema.register()  # the config tree's types, for @hydra.main and hydra.compose alike
 
 
-def save(cfg: DictConfig, run_dir: Path) -> None:
+def save(cfg: DictConfig, run_dir: Path, files: dict[str, str] | None = None) -> None:
     """Write .hydra/config.yaml (and, under @hydra.main, hydra.yaml and overrides.yaml) as Hydra
-    would. trainkit writes them itself (hydra.output_subdir is null), rank 0 only, once the run
-    is accepted: Hydra would write them before the task starts, so a refused resume would
-    overwrite the config of the finished run in that dir."""
+    would, and `files` ({name: text}, e.g. a corpus's vocabulary) into the run dir. trainkit writes
+    them itself (hydra.output_subdir is null), rank 0 only, once the run is accepted: Hydra would
+    write them before the task starts, so a refused resume would overwrite the config of the
+    finished run in that dir."""
     from hydra.core.hydra_config import HydraConfig
 
     directory = Path(run_dir) / ".hydra"
@@ -187,6 +198,8 @@ def save(cfg: DictConfig, run_dir: Path) -> None:
         hydra_cfg = HydraConfig.get()
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), directory / "hydra.yaml")
         OmegaConf.save(hydra_cfg.overrides.task, directory / "overrides.yaml")
+    for name, text in (files or {}).items():
+        (Path(run_dir) / name).write_text(text)
 
 
 def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
@@ -200,7 +213,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
-LOGGERS = ("none", "wandb")
+LOGGERS = ("none", "wandb", "tensorboard")
 COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (FSDP)
 
@@ -373,14 +386,6 @@ def _check_auto(cfg: DictConfig) -> None:
         raise ConfigError(
             f"data.batch_size=auto: accumulation.global_batch_size={acc.global_batch_size} is not a multiple "
             f"of the world size {W}"
-        )
-    # An FSDP forward all-gathers and a SyncBN forward all-gathers statistics: a rank out of memory there
-    # leaves the others inside a collective the one flag cannot meet.
-    if cfg.parallel.mode == "fsdp" or cfg.parallel.sync_bn:
-        which = "parallel=fsdp" if cfg.parallel.mode == "fsdp" else "parallel.sync_bn=true"
-        raise ConfigError(
-            f"data.batch_size=auto is not supported with {which} (its forward runs collectives: ranks could not "
-            "agree on a retry); set data.batch_size"
         )
     if cfg.parallel.get("static_graph", False):  # K may grow past 1: see accumulation_steps
         raise ConfigError(

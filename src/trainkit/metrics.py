@@ -1,4 +1,4 @@
-"""Metrics from rank 0 only: metrics.jsonl in the run dir, the console, and W&B."""
+"""Metrics from rank 0 only: metrics.jsonl in the run dir, the console, and W&B or TensorBoard."""
 
 import contextlib
 import json
@@ -26,6 +26,7 @@ class MetricsLogger:
         path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 (a long-lived handle, closed in __exit__)
         self.wandb = _start_wandb(run_dir, cfg, wandb_id) if cfg.logger.name == "wandb" else None
+        self.tensorboard = _start_tensorboard(run_dir, cfg, resume_step) if cfg.logger.name == "tensorboard" else None
 
     @property
     def run_id(self) -> str | None:
@@ -37,12 +38,18 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, row["step"])
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, *_):
         self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=0 if exc_type is None else 1)
 
@@ -132,6 +139,19 @@ def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
         id=run_id,
         resume="allow" if run_id else None,
     )
+
+
+def _start_tensorboard(run_dir: Path, cfg: DictConfig, resume_step: int | None):
+    """A SummaryWriter into the run dir itself (a sweep: each job dir is one run). A resumed run
+    appends a new event file whose purge_step makes TensorBoard drop the rows an earlier attempt
+    logged past the checkpoint (this run logs them again), as metrics.jsonl drops them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    step = resume_step or 0
+    writer = SummaryWriter(str(run_dir), purge_step=step + 1 if resume_step is not None else None)
+    config_text = OmegaConf.to_yaml(cfg, resolve=True)
+    writer.add_text("config", "".join(f"    {line}\n" for line in config_text.splitlines()), step)  # Markdown code
+    return writer
 
 
 class TrainMeter:
@@ -240,6 +260,7 @@ class TrainMeter:
             "comm/grad_syncs": (self.comm.syncs - self.syncs) / self.steps,
             "comm/grad_bytes": (self.comm.bytes - self.bytes) / self.steps,
             "samples_per_s": self.row_samples / elapsed,
+            **({f"{self.items_name}_per_s": self.row_items.item() / elapsed} if self.items_name else {}),
             "time/data_wait": self.data_wait / elapsed,
             "skipped_steps": self.skipped,
         }

@@ -89,3 +89,11 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index].manual_seed(value)  # resolve_device: always indexed
+
+
+_GENERATE = 0x67656E6572617465  # "generate"
+
+
+def generation_seed(seed: int, index: int) -> int:
+    """A seed for (seed, sample index): what predict.py draws for text sample `index`, on whichever rank."""
+    return _mix(_GENERATE, seed, index)

@@ -62,7 +62,7 @@ class Parallel:
 
 @dataclass
 class Logger:
-    name: str = "none"
+    name: str = "none"  # none | wandb | tensorboard
     project: str = "trainkit"
     entity: str | None = None
     group: str | None = None
@@ -136,6 +136,8 @@ class AdamW:
     _partial_: bool = True
     lr: float = 1e-3
     weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # torch's default
+    decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class SGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
 
 
 @dataclass
@@ -182,6 +185,7 @@ class Classification:
 class LanguageModel:
     _target_: str = MISSING
     max_digits: int | None = None
+    per_character: bool = False
 
 
 @dataclass
@@ -260,6 +264,22 @@ class Addition(Data):
     block_size: int = MISSING
 
 
+@dataclass
+class PydocTextSplits:
+    _target_: str = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = MISSING
+
+
+@dataclass
+class PydocText(Data):
+    splits: PydocTextSplits = field(default_factory=PydocTextSplits)
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = True  # train blocks start at random positions in their document (trainkit/text.py)
+    per_character: bool = True  # task=lm: val/acc per character, and val/bpc
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
@@ -269,7 +289,13 @@ def register() -> None:
         "optim": {"adamw": AdamW, "sgd": SGD},
         "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
         "task": {"classification": Classification, "lm": LanguageModel},
-        "data": {"digits": Digits, "fake": Fake, "torchvision": Torchvision, "addition": Addition},
+        "data": {
+            "digits": Digits,
+            "fake": Fake,
+            "torchvision": Torchvision,
+            "addition": Addition,
+            "pydoc_text": PydocText,
+        },
     }
     for group, nodes in options.items():
         for name, node in nodes.items():

@@ -3,6 +3,8 @@ loss-bearing items (the loop normalises it over the global window), counts those
 gives the evaluation sums. train.py and evaluate.py are the same for every task: forking for
 another task means one class here (or in your project) and its conf/task/<name>.yaml."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -47,13 +49,15 @@ class LanguageModel:
     per-token cross-entropy, whose count differs between micro-batches and ranks. val/acc is the
     exact match of whole answers: every loss-bearing token's teacher-forced argmax right (equal
     to greedy decoding's exact match: greedy first goes wrong where argmax does). With
-    `max_digits` (data=addition) it also reports val/acc_<a>x<b> per pair of operand lengths."""
+    `max_digits` (data=addition) it also reports val/acc_<a>x<b> per pair of operand lengths.
+    `per_character` (a character corpus, data=pydoc_text): val/acc is the share of characters
+    whose argmax is right, and val/bpc the loss in bits per character (val/loss / ln 2)."""
 
     items_name = "tokens"
 
-    def __init__(self, max_digits: int | None = None):
-        self.max_digits = max_digits
-        self.eval_width = 4 + 2 * len(self._pairs())
+    def __init__(self, max_digits: int | None = None, per_character: bool = False):
+        self.max_digits, self.per_character = max_digits, per_character
+        self.eval_width = 5 + 2 * len(self._pairs())
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
@@ -62,11 +66,14 @@ class LanguageModel:
         return (target != IGNORE).sum()
 
     def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """[loss sum, tokens, correct answers, answers, then per operand-length pair: correct, answers]."""
+        """[loss sum, tokens, correct answers, answers, correct tokens, then per operand-length pair:
+        correct, answers]."""
         loss = self.loss_sum(output.float(), target)
         bearing = target != IGNORE
-        right = ((output.argmax(dim=-1) == target) | ~bearing).all(dim=1)
+        hits = (output.argmax(dim=-1) == target) & bearing
+        right = (hits | ~bearing).all(dim=1)
         sums = [loss.double(), bearing.sum().double(), right.sum().double(), torch.tensor(float(len(target)))]
+        sums.append(hits.sum().double())
         if self.max_digits:
             lengths = operand_lengths(inputs)
             for a, b in self._pairs():
@@ -75,9 +82,11 @@ class LanguageModel:
         return torch.stack([s.to(torch.float64) for s in sums])
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
-        loss, tokens, correct, answers = sums[:4]
+        loss, tokens, correct, answers, hits = sums[:5]
         metrics = {"val/loss": loss / tokens, "val/acc": correct / answers}
-        for (a, b), (right, count) in zip(self._pairs(), zip(sums[4::2], sums[5::2], strict=True), strict=True):
+        if self.per_character:
+            metrics |= {"val/acc": hits / tokens, "val/bpc": loss / tokens / math.log(2)}
+        for (a, b), (right, count) in zip(self._pairs(), zip(sums[5::2], sums[6::2], strict=True), strict=True):
             if count:
                 metrics[f"val/acc_{a}x{b}"] = right / count
         return metrics

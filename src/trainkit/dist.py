@@ -235,14 +235,16 @@ def _store(world_size: int, timeout: datetime.timedelta, job: int) -> dist.Store
     torchrun --max-restarts keeps its store across restart rounds, and a Hydra sweep under
     torchrun builds one process group per job in the same workers. A process group that meets
     the keys of an earlier one fails with "Gloo connectFullMesh failed" (torch 2.14.1). A fresh
-    prefix per round (TORCHELASTIC_RESTART_COUNT) and per job keeps them apart.
+    prefix per round (TORCHELASTIC_RESTART_COUNT) and per job keeps them apart, and the launch's run
+    id two launches that would share one store.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job_{job}", store)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"{run}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/job_{job}", store)
 
 
 def lost_peer(error: BaseException) -> bool:

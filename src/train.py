@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import config, dist, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
-from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, snapshot
+from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, run_identity, snapshot
 from trainkit.config import ConfigError, RankError
 from trainkit.data import TrainLoader, eval_loader
 from trainkit.evaluate import evaluate
@@ -97,22 +97,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
+    stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
     checkpointer = Checkpointer(
         run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
     )  # FSDP: each rank writes its shards (DCP)
-    identity = {
-        "global_batch": layout.global_batch,
-        "seed": cfg.seed,
-        "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
-        "optim._target_": cfg.optim._target_,
-        "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
-        **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
-        **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
-        **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
-    }
-    identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
+    identity = run_identity(cfg, layout.global_batch, train_set)  # what a resume must not change
     settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
     start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
@@ -125,7 +116,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is"
             )
             return None
-        restore(resumed, unwrap(model), optimizer, scheduler, scaler, meter, d)
+        restore(resumed, *stateful, d)
         auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
         layout, loader, val_loader = data_for(auto.batch_size, auto.K)
         start = resumed["progress"]
@@ -236,22 +227,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if save_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        checkpointer.save(
-                            step,
-                            snapshot(
-                                unwrap(model),
-                                optimizer,
-                                scheduler,
-                                scaler,
-                                meter,
-                                progress,
-                                identity,
-                                settings,
-                                logger.run_id,
-                                d,
-                            )
-                            | {"autobatch": auto.state_dict()},  # the found micro-batch: a resume starts there
-                        )
+                        state = snapshot(*stateful, progress, identity, settings, logger.run_id, d)
+                        checkpointer.save(step, state | {"autobatch": auto.state_dict()})  # auto: a resume starts at b
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_loader, d, autocast, task)

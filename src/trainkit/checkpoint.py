@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainkit import config
 from trainkit.config import ConfigError, RunError
 from trainkit.dist import Dist
 from trainkit.rng import rng_state, seed_all, set_rng_state
@@ -192,6 +194,23 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
+    """What makes a checkpoint's run the same run, {setting: value}: a resume that changes any of it
+    is refused (check_compatible). The world size and K are not in it (a resume may change them)."""
+    identity = {
+        "global_batch": global_batch,
+        "seed": cfg.seed,
+        "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
+        "optim._target_": cfg.optim._target_,
+        "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
+        **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
+        **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
+        **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
+    }
+    identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
+    return identity
 
 
 def check_compatible(saved: dict, current: dict) -> None:

@@ -20,8 +20,8 @@ from trainkit import config, dist, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, run_identity, snapshot
-from trainkit.config import ConfigError, RankError
 from trainkit.data import TrainLoader, eval_loader
+from trainkit.errors import ConfigError, RankError, user_error
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
 from trainkit.metrics import TrainMeter, make_logger
@@ -266,7 +266,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
             return None
         dist.fail(str(failed.error), failed.code)
     except Exception as error:
-        if (known := config.user_error(error)) is not None:
+        if (known := user_error(error)) is not None:
             if dist.env_rank() == 0:
                 config.record_failure(run_dir, known, sweep)
             if sweep:

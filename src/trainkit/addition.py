@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.config import ConfigError
+from trainkit.errors import ConfigError
 
 VOCAB = "0123456789+=$."  # $: end of the answer, .: padding
 END, PAD = VOCAB.index("$"), VOCAB.index(".")

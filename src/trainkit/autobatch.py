@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainkit import config
-from trainkit.config import RankError, RunError
 from trainkit.dist import Dist
+from trainkit.errors import RankError, RunError
 from trainkit.parallel import unwrap
 from trainkit.syncbn import SyncBatchNorm
 

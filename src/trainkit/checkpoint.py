@@ -35,8 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainkit import config
-from trainkit.config import ConfigError, RunError
 from trainkit.dist import Dist
+from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")

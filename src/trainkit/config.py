@@ -13,7 +13,6 @@ from typing import Any
 from hydra.errors import (
     ConfigCompositionException,
     HydraException,
-    InstantiationException,
     MissingConfigException,
     OverrideParseException,
 )
@@ -27,31 +26,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import schema
-
-
-class ConfigError(ValueError):
-    """A bad setting. Entry points print it as one line and exit with status 2."""
-
-
-class RunError(RuntimeError):
-    """The run cannot go on (e.g. a non-finite loss). Printed as one line, exit status 3."""
-
-
-class RankError(RunError):
-    """A RunError that one rank alone meets (the others see their collective fail): that rank prints
-    it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
-
-
-def user_error(error: BaseException | None) -> ConfigError | RunError | None:
-    """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
-    `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too."""
-    while error is not None and not isinstance(error, (ConfigError, RunError)):
-        if isinstance(error, InstantiationException) and isinstance(error.__cause__, TypeError):
-            target = str(error).split("'")[1] if "'" in str(error) else "a _target_"
-            return ConfigError(f"{target}: {error.__cause__} (a config node's keys are its _target_'s arguments)")
-        error = error.__cause__ if isinstance(error, InstantiationException) else None
-    return error
+from trainkit import dist, launch, schema, text
+from trainkit.errors import ConfigError, RunError
+from trainkit.precision import PRECISIONS
 
 
 def remove_if_empty(directory: Path) -> None:
@@ -94,8 +71,6 @@ class SweepErrors(Callback):
         failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not failed:
             return
-        from trainkit import dist
-
         if dist.env_rank() == 0:
             for path in failed:
                 overrides_file = path.parent / ".hydra" / "overrides.yaml"
@@ -137,8 +112,6 @@ OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=
 def world_size(*, _root_: DictConfig) -> int:
     """${world_size:}: the job's world size, from wherever trainkit takes it (torchrun, submitit, the
     workers parallel.nproc_per_node starts; 1 alone)."""
-    from trainkit import launch  # here: launch imports this module (ConfigError)
-
     return launch.world_size(_root_)
 
 
@@ -148,8 +121,6 @@ OmegaConf.register_new_resolver("world_size", world_size, replace=True)
 def nodes() -> int:
     """${nodes:}: the job's nodes, world size / processes per node (torchrun's LOCAL_WORLD_SIZE,
     submitit's tasks per node); 1 alone. parallel=hsdp's replicas."""
-    from trainkit import dist
-
     place = dist.place()
     return max(1, place.world_size // place.local_world_size)
 
@@ -159,8 +130,6 @@ OmegaConf.register_new_resolver("nodes", nodes, replace=True)
 
 def pydoc_vocab_size() -> int:
     """${pydoc_vocab_size:} (data=pydoc_text): the running Python's corpus's characters and the padding token."""
-    from trainkit import text  # here: text imports this module (ConfigError)
-
     return text.vocab_size()
 
 
@@ -198,8 +167,8 @@ def save(cfg: DictConfig, run_dir: Path, files: dict[str, str] | None = None) ->
         hydra_cfg = HydraConfig.get()
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), directory / "hydra.yaml")
         OmegaConf.save(hydra_cfg.overrides.task, directory / "overrides.yaml")
-    for name, text in (files or {}).items():
-        (Path(run_dir) / name).write_text(text)
+    for name, content in (files or {}).items():
+        (Path(run_dir) / name).write_text(content)
 
 
 def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
@@ -209,7 +178,6 @@ def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
 
 
 MAX_SEED = 2**32 - 1
-PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
@@ -255,8 +223,6 @@ def _non_negative(key: str, value, integer: bool = False) -> None:
 
 def check(cfg: DictConfig) -> None:
     """Reject settings that would fail late or train silently wrong, naming the key."""
-    from trainkit import launch  # here: launch imports this module (ConfigError)
-
     _check_known_keys(cfg)
     launch.check(cfg)  # first: ${world_size:} below counts the workers parallel.nproc_per_node starts
     try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
-from trainkit.config import ConfigError
 from trainkit.dist import Dist
+from trainkit.errors import ConfigError
 from trainkit.rng import sample_seed, seed_all
 
 

@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from trainkit.config import ConfigError
+from trainkit.errors import ConfigError, is_worker, report
 
 
 @dataclass(frozen=True)
@@ -280,12 +280,10 @@ def fail(message: str, code: int = 2, this_rank: bool = False, peer_failed: bool
     only this rank knows, printed by it and naming it. In a worker trainkit started itself every rank
     reports to the parent instead (`peer_failed`: a consequence of another rank's failure), which
     prints the root cause once: a rank dying here may otherwise print before the rank that knows why."""
-    from trainkit import launch  # here: launch imports this module
-
     rank = env_rank()
     line = f"rank {rank}: {message}" if rank and this_rank else message
-    if launch.is_worker():
-        launch.report(line, code, peer_failed)
+    if is_worker():
+        report(line, code, peer_failed)
     elif rank == 0 or this_rank:
         print(f"error: {line}", file=sys.stderr, flush=True)
     teardown()

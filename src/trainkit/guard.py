@@ -3,8 +3,8 @@ that skips alone hangs the others), and a skipped window leaves no trace."""
 
 import torch
 
-from trainkit.config import RunError
 from trainkit.dist import Dist
+from trainkit.errors import RunError
 
 
 class StepGuard:

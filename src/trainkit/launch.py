@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch
 from omegaconf import DictConfig
 
 from trainkit import dist
-from trainkit.config import ConfigError, RunError
+from trainkit.errors import WORKER, ConfigError, RunError, is_worker
+from trainkit.parallel import resolve_mode
 
-WORKER = "TRAINKIT_WORKER"  # set in every worker this module starts
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # those the elastic agent handles
 
@@ -43,11 +42,6 @@ def start_method() -> str:
     OMP_NUM_THREADS > 1 asks for more threads: spawn. TRAINKIT_START_METHOD chooses (e.g. to rule fork out)."""
     one_thread = os.environ.get("OMP_NUM_THREADS", "1") == "1"
     return os.environ.get("TRAINKIT_START_METHOD") or ("fork" if one_thread else "spawn")
-
-
-def is_worker() -> bool:
-    """This process is a worker that `start` began (its parent checked the config and prints failures)."""
-    return os.environ.get(WORKER) == "1"
 
 
 def local_workers(cfg: DictConfig) -> int:
@@ -97,8 +91,6 @@ def check(cfg: DictConfig) -> None:
             "parallel.nproc_per_node > 1"
         )
     if wanted(cfg):  # before any worker starts: e.g. parallel=single on N workers
-        from trainkit.parallel import resolve_mode  # here: parallel imports torch's wrappers
-
         resolve_mode(cfg.parallel.mode, local_workers(cfg), True)
 
 
@@ -197,20 +189,6 @@ def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int,
         # first round started from (checkpoint.resume=null or a path would refuse or rewind it).
         cfg.checkpoint.resume = "auto"  # this worker's copy
     return entry(cfg, run_dir, job)
-
-
-def report(message: str, code: int, peer_failed: bool) -> None:
-    """In a worker: write this rank's one-line error into torch's error file (its format) for the parent
-    to print. `peer_failed`: a consequence (a collective failed because another rank died)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        data = {
-            "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
-            "trainkit": {"code": code, "peer_failed": peer_failed},
-        }
-        Path(path).write_text(json.dumps(data))
-    if peer_failed:  # let the agent see the rank that died first: it stops this one then (and names that one)
-        time.sleep(2)
 
 
 class _Cause(NamedTuple):

@@ -11,9 +11,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainkit.config import ConfigError
 from trainkit.data import shard_bounds
 from trainkit.dist import Dist
+from trainkit.errors import ConfigError
 from trainkit.syncbn import convert_sync_batchnorm
 
 

@@ -5,7 +5,9 @@ from functools import partial
 
 import torch
 
-from trainkit.config import PRECISIONS, ConfigError
+from trainkit.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from trainkit.config import ConfigError
+from trainkit.errors import ConfigError
 
 
 def multiplier(sched: DictConfig, total_steps: int) -> Callable[[int], float]:

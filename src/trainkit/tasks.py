@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trainkit.addition import IGNORE, operand_lengths
-from trainkit.config import ConfigError
+from trainkit.errors import ConfigError
 
 
 class Classification:

@@ -1,0 +1,56 @@
+"""The ground floor: the error types every module raises, which failures are known ones, and how a
+worker hands its one line to the process that started it. Imports nothing of trainkit."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+from hydra.errors import InstantiationException
+
+
+class ConfigError(ValueError):
+    """A bad setting. Entry points print it as one line and exit with status 2."""
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss). Printed as one line, exit status 3."""
+
+
+class RankError(RunError):
+    """A RunError that one rank alone meets (the others see their collective fail): that rank prints
+    it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
+
+
+def user_error(error: BaseException | None) -> ConfigError | RunError | None:
+    """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
+    `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too."""
+    while error is not None and not isinstance(error, (ConfigError, RunError)):
+        if isinstance(error, InstantiationException) and isinstance(error.__cause__, TypeError):
+            target = str(error).split("'")[1] if "'" in str(error) else "a _target_"
+            return ConfigError(f"{target}: {error.__cause__} (a config node's keys are its _target_'s arguments)")
+        error = error.__cause__ if isinstance(error, InstantiationException) else None
+    return error
+
+
+WORKER = "TRAINKIT_WORKER"  # set in every worker that trainkit/launch.py starts
+
+
+def is_worker() -> bool:
+    """This process is a worker that launch.start began (its parent checked the config and prints failures)."""
+    return os.environ.get(WORKER) == "1"
+
+
+def report(message: str, code: int, peer_failed: bool) -> None:
+    """In a worker: write this rank's one-line error into torch's error file (its format) for the parent
+    to print (launch.py reads it back). `peer_failed`: a consequence (a collective failed because
+    another rank died)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        data = {
+            "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
+            "trainkit": {"code": code, "peer_failed": peer_failed},
+        }
+        Path(path).write_text(json.dumps(data))
+    if peer_failed:  # let the agent see the rank that died first: it stops this one then (and names that one)
+        time.sleep(2)

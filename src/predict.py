@@ -20,17 +20,19 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, sampling
+from trainkit import config, dist, sampling, text
 from trainkit.addition import END, IGNORE
 from trainkit.checkpoint import load_model
-from trainkit.config import ConfigError, user_error
 from trainkit.data import eval_loader
+from trainkit.errors import ConfigError, user_error
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
 from trainkit.tasks import LanguageModel
-from trainkit.text import Vocabulary
+from trainkit.text import VOCAB_FILE, Vocabulary
 
 SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
+SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
+DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
 
 
 def load_run_config(cfg: DictConfig) -> DictConfig:
@@ -185,6 +187,15 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     vocab = Vocabulary.load(Path(cfg.run_dir))  # a text run's vocabulary, else None
     if vocab is not None:
         sampling.check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)
+    elif text.is_text_run(run_cfg):  # else it would be taken for an addition run and fail at the end
+        raise ConfigError(f"run_dir={cfg.run_dir} is a text run (data={run_cfg.data.name}) without its {VOCAB_FILE}")
+    else:  # a setting that would be silently ignored
+        defaults = OmegaConf.load(DEFAULTS)
+        if given := [f"{key}={cfg[key]}" for key in SAMPLING_KEYS if cfg[key] != defaults[key]]:
+            raise ConfigError(
+                f"{', '.join(given)}: sampling settings need a text run (data=pydoc_text); run_dir={cfg.run_dir} "
+                f"is a run of data={run_cfg.data.name}"
+            )
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
     accuracy = None
     if vocab is None:

@@ -155,6 +155,7 @@ CASES = [
     ("no_model", "has no model.pt: not a finished training run"),
     ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
     ("split", "split=test is not one of: train, val"),
+    ("sampling", "prompt=hi, temperature=0.5: sampling settings need a text run (data=pydoc_text); run_dir="),
 ]
 
 
@@ -164,6 +165,7 @@ def _bad_overrides(trained: Path, tmp_path: Path, case: str) -> list[str]:
         "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
         "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
         "split": [f"run_dir={trained}", "split=test"],
+        "sampling": [f"run_dir={trained}", "prompt=hi", "temperature=0.5", "top_k=null"],  # top_k: the default
     }[case]
 
 

@@ -3,6 +3,7 @@ accumulation on it (2 ranks x K2 = one process), sampling that does not depend o
 resume under another corpus refused."""
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -146,6 +147,7 @@ def test_sampling_is_deterministic_and_the_same_on_1_and_2_ranks(single_text, tm
     greedy = sample("greedy", *settings, "temperature=0")
     assert len(set(greedy.split("\n---------------\n")[:-1])) == 1  # argmax: no draws
     assert sample("greedy_seed", *settings, "temperature=0", "seed=1") == greedy
+    assert sample("cold", *settings, "temperature=1e-45") == greedy  # the limit of a falling temperature
 
 
 @pytest.mark.slow
@@ -153,7 +155,9 @@ def test_sampling_is_deterministic_and_the_same_on_1_and_2_ranks(single_text, tm
     "override,message",
     [
         ("prompt=costs $5", "prompt='costs $5' has characters outside the run's vocabulary: '$'"),
-        ("temperature=-0.5", "temperature=-0.5 must be a number >= 0"),
+        ("temperature=-0.5", "temperature=-0.5 must be a finite number >= 0"),
+        ("temperature=inf", "temperature=inf must be a finite number >= 0"),
+        ("prompt=123", 'prompt=123 must be a non-empty string (Hydra reads 123 as a number: quote it, "prompt='),
         ("top_k=0", "top_k=0 must be null or a positive integer"),
     ],
 )
@@ -161,6 +165,16 @@ def test_bad_sampling_settings_are_refused(single_text, tmp_path, override, mess
     with pytest.raises(ConfigError) as error:
         run_in_process(tmp_path, f"run_dir={single_text}", override, script="predict")
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.slow
+def test_a_text_run_without_its_vocabulary_is_refused_naming_the_file(single_text, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(single_text, run_dir)
+    (run_dir / "vocab.json").unlink()
+    with pytest.raises(ConfigError) as error:
+        run_in_process(tmp_path / "out", f"run_dir={run_dir}", script="predict")
+    assert str(error.value) == f"run_dir={run_dir} is a text run (data=pydoc_text) without its vocab.json"
 
 
 @pytest.mark.slow

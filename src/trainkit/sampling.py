@@ -5,12 +5,13 @@ not depend on how many ranks share the work or which one draws it. A sample is g
 batch of one): its logits then do not depend on which other samples share a batch either."""
 
 import contextlib
+import math
 
 import torch
 
-from trainkit.config import ConfigError
 from trainkit.data import shard_bounds
 from trainkit.dist import Dist
+from trainkit.errors import ConfigError
 from trainkit.inference import gather
 from trainkit.rng import generation_seed
 from trainkit.text import Vocabulary
@@ -19,14 +20,15 @@ from trainkit.text import Vocabulary
 def check(prompt, max_new_tokens, temperature, top_k, num_samples, vocab: Vocabulary) -> None:
     """One ConfigError naming the first bad setting."""
     if not isinstance(prompt, str) or not prompt:
-        raise ConfigError(f"prompt={prompt} must be a non-empty string")
+        quote = f" (Hydra reads {prompt} as a number: quote it, \"prompt='{prompt}'\")" if prompt is not None else ""
+        raise ConfigError(f"prompt={prompt} must be a non-empty string{quote}")
     if unknown := vocab.unknown(prompt):
         raise ConfigError(f"prompt={prompt!r} has characters outside the run's vocabulary: {unknown!r}")
     for key, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{key}={value} must be a positive integer")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-        raise ConfigError(f"temperature={temperature} must be a number >= 0 (0: greedy)")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature < math.inf:
+        raise ConfigError(f"temperature={temperature} must be a finite number >= 0 (0: greedy)")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ConfigError(f"top_k={top_k} must be null or a positive integer")
 
@@ -56,7 +58,9 @@ def sample(
         if temperature == 0:
             following = logits.argmax().view(1)
         else:
-            logits = logits / temperature
+            # In float64, from the largest logit (0 stays 0): a tiny temperature makes the distribution
+            # one-hot instead of inf / inf = NaN (temperature=1e-45 failed in torch.multinomial).
+            logits = (logits.double() - logits.max()) / temperature
             if top_k is not None and top_k < len(vocab.chars):
                 logits[logits < torch.topk(logits, top_k).values[-1]] = -torch.inf
             following = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)

@@ -31,8 +31,8 @@ import torch
 from torch.utils.data import Dataset
 
 from trainkit.addition import IGNORE
-from trainkit.config import ConfigError
 from trainkit.data import InMemory
+from trainkit.errors import ConfigError
 
 VOCAB_FILE = "vocab.json"  # in the run dir
 VAL_SHARE = 0.1  # at most this share of the characters is held out
@@ -170,6 +170,11 @@ class RandomBlocks(_Split, Dataset):
         x, y = torch.full((self.block_size,), self.pad), torch.full((self.block_size,), IGNORE)
         x[: len(piece) - 1], y[: len(piece) - 1] = piece[:-1], piece[1:]
         return x, y
+
+
+def is_text_run(run_cfg) -> bool:
+    """A run trained on this module's corpus (its run dir should hold the vocabulary)."""
+    return run_cfg.data.get("splits", {}).get("_target_") == f"{__name__}.splits"
 
 
 def splits(block_size: int = 64, random_offsets: bool = True) -> tuple[Blocks | RandomBlocks, Blocks]:

@@ -12,6 +12,7 @@ samples.txt, the same for any N (trainkit/sampling.py). The corpus is not needed
 
 import json
 from pathlib import Path
+from typing import cast
 
 import hydra
 import torch
@@ -190,7 +191,7 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     elif text.is_text_run(run_cfg):  # else it would be taken for an addition run and fail at the end
         raise ConfigError(f"run_dir={cfg.run_dir} is a text run (data={run_cfg.data.name}) without its {VOCAB_FILE}")
     else:  # a setting that would be silently ignored
-        defaults = OmegaConf.load(DEFAULTS)
+        defaults = cast(DictConfig, OmegaConf.load(DEFAULTS))
         if given := [f"{key}={cfg[key]}" for key in SAMPLING_KEYS if cfg[key] != defaults[key]]:
             raise ConfigError(
                 f"{', '.join(given)}: sampling settings need a text run (data=pydoc_text); run_dir={cfg.run_dir} "

@@ -81,7 +81,7 @@ train() {
         row "$name" "$(last "$dir" loss val/acc samples_per_s time/data_wait)"
 }
 
-# The README's commands, as a GPU user runs them first (Launching, Distributed inference, sweeps).
+# The README's commands, as a GPU user runs them first (README: Launching; docs/predict.md; docs/launching.md: Sweeps).
 train "README: python src/train.py" python
 train "README: trainer.device=cuda" python trainer.device=cuda trainer.max_steps=200
 train "README: model=cnn optim=sgd sched=constant" python model=cnn optim=sgd sched=constant

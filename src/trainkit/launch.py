@@ -35,7 +35,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # thos
 
 def start_method() -> str:
     """fork: a worker starts in well under a second with torch, trainkit and the composed config already
-    in memory; spawn imports them anew in each worker (seconds; README, "Workers started by train.py").
+    in memory; spawn imports them anew in each worker (seconds; docs/launching.md, "Start method: fork").
     Safe: nothing here initialises CUDA before the workers start (device_count asks NVML; see
     _launch_config), and a forked worker computes with one intra-op thread (torchrun's default): at more,
     an OpenMP pool this process has used (a sweep's job trained here) hangs its first parallel op.

@@ -182,3 +182,32 @@ def test_nproc_per_node_that_contradicts_torchrun_is_refused(monkeypatch):
         config.check(compose_cfg("parallel.nproc_per_node=4"))
     with pytest.raises(ConfigError, match=r"^parallel.max_restarts=1 restarts the workers trainkit starts itself"):
         config.check(compose_cfg("parallel.max_restarts=1"))
+
+
+@pytest.mark.slow
+def test_a_self_launched_job_outlives_another_one_started_before_it(tmp_path):
+    # Each launch has its rendezvous store on a free port of its own. A second job on the first one's port
+    # would join the first one's store (and lose it when the first job ends).
+    first = start_train(tmp_path / "first", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")
+    assert first.stdout is not None
+    while not first.stdout.readline().startswith("step"):  # its workers train
+        assert first.poll() is None
+    go_on = tmp_path / "go_on"  # rank 0 of the second job waits for it in step 2
+    second = start_train(
+        tmp_path / "second",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("wait", 2, 0, go_on, "mlp"),
+    )
+    assert second.stdout is not None
+    while not second.stdout.readline().startswith("step"):  # step 1 is done
+        assert second.poll() is None
+    first.send_signal(signal.SIGTERM)
+    ended(first, timeout=60)
+    assert first.returncode == 128 + signal.SIGTERM
+    time.sleep(2)  # the second job's agent asks its store every 0.1 s: a lost store would fail it meanwhile
+    go_on.touch()
+    out, err = ended(second)
+    assert second.returncode == 0, out + err
+    assert (tmp_path / "second" / "model.pt").is_file()

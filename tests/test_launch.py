@@ -185,6 +185,21 @@ def test_nproc_per_node_that_contradicts_torchrun_is_refused(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_worker_that_exits_with_a_status_of_its_own_is_named(tmp_path):
+    # Rank 1 calls os._exit(17) in step 2; rank 0's collective fails because of it (a consequence).
+    proc = run_train(
+        tmp_path / "run",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("exit", 2, 1, tmp_path / "exited", "mlp"),
+        check=False,
+    )
+    assert proc.returncode == 17, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["error: rank 1: exited with status 17"]
+
+
+@pytest.mark.slow
 def test_a_self_launched_job_outlives_another_one_started_before_it(tmp_path):
     # Each launch has its rendezvous store on a free port of its own. A second job on the first one's port
     # would join the first one's store (and lose it when the first job ends).

@@ -214,7 +214,7 @@ def report(message: str, code: int, peer_failed: bool) -> None:
 
 
 class _Cause(NamedTuple):
-    kind: int  # 0: an error a worker said, 1: killed by a signal, 2: a consequence of another rank's failure, 3: silent
+    kind: int  # 0: an error a worker said, 1: a death (a signal, an exit status of its own), 2: a consequence
     timestamp: int
     message: str
     code: int  # the worker's exit status
@@ -225,14 +225,16 @@ class _Cause(NamedTuple):
 def _root_cause(failed, logs: str) -> tuple[ConfigError | RunError, int, bool]:
     """The failure that explains the others, as (error, exit status, traceback kept). Read from every
     error file of the last round, not only the failure the agent saw first: a rank whose collective
-    failed may exit before the rank that raised. The first kind wins, then the earliest, then rank 0."""
+    failed may exit before the rank that raised. The first kind wins, then the earliest, then rank 0. A worker
+    that exits without an error file (os._exit, a SystemExit of its own) died as a killed one did: a rank
+    whose collective failed because of it is the consequence."""
     causes = {}
     for rank, failure in failed.failures.items():
         if failure.exitcode < 0:
             causes[rank] = _Cause(1, failure.timestamp, f"died of {failure.signal_name()}", 1, False)
         else:
             causes[rank] = _Cause(
-                3, failure.timestamp, f"exited with status {failure.exitcode}", failure.exitcode, False
+                1, failure.timestamp, f"exited with status {failure.exitcode}", failure.exitcode, False
             )
     last_round = max(Path(logs).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]), default=None)
     for path in sorted(last_round.glob("*/error.json")) if last_round else []:

@@ -42,6 +42,18 @@ from trainkit.rng import rng_state, seed_all, set_rng_state
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
+def complete(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory` (files and DCP directories), oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
+    ]
+    return [p for _, p in sorted(found)]
+
+
 class Checkpointer:
     """Saves every `every` optimizer steps (0: only at the end), keeps the last `keep`.
     sharded: FSDP's layout (a DCP directory per checkpoint) instead of one file."""
@@ -59,14 +71,7 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (files and DCP directories), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [
-            (int(m.group(1)), p)
-            for p in self.directory.iterdir()
-            if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
-        ]
-        return [p for _, p in sorted(found)]
+        return complete(self.directory)
 
     def save(self, step: int, state: dict) -> Path:
         """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a

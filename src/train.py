@@ -19,7 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import config, dist, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
-from trainkit.checkpoint import Checkpointer, check_compatible, full_state_dict, restore, run_identity, snapshot
+from trainkit.checkpoint import (
+    Checkpointer,
+    changes,
+    check_compatible,
+    full_state_dict,
+    restore,
+    run_identity,
+    run_settings,
+    snapshot,
+)
 from trainkit.data import TrainLoader, eval_loader
 from trainkit.errors import ConfigError, RankError, user_error
 from trainkit.evaluate import evaluate
@@ -104,7 +113,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
     )  # FSDP: each rank writes its shards (DCP)
     identity = run_identity(cfg, layout.global_batch, train_set)  # what a resume must not change
-    settings = config.flatten(OmegaConf.to_container(cfg, resolve=True))  # what a resume may change
+    settings = run_settings(cfg)  # what a resume may change
     start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
@@ -121,7 +130,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         layout, loader, val_loader = data_for(auto.batch_size, auto.K)
         start = resumed["progress"]
         d.print0(f"resumed from {resumed['path']} at step {start['step']}")
-        if changed := config.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
+        if changed := changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
             d.print0(f"resume: applying the changed settings {', '.join(changed)}")
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.

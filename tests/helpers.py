@@ -255,8 +255,10 @@ class Faulty(nn.Module):
         the fault-tolerance tests need (no mocks). `fault`: "kill" (SIGKILL this worker, once: a
         marker file remembers it), "nan" (return NaN), "nan_input" (one NaN input sample: BatchNorm's
         running statistics turn NaN too), "inf_grad" (a finite loss whose gradient is infinite, as an
-        fp16 overflow gives), "hang" (sleep as a stuck peer would), "raise" (an exception trainkit does
-        not know, as a bug raises), or "oom" / "oom_backward": every
+        fp16 overflow gives), "hang" (sleep as a stuck peer would), "wait" (until the marker file exists:
+        a test decides when the step goes on), "raise" (an exception trainkit does not know, as a bug
+        raises), "exit" (os._exit(17), once, as a library that ends the process with a status of its
+        own would), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
     device too small for that micro-batch would ("oom": the at_forward-th too); "rlimit": a real allocation
     of 64 MiB a sample fails above `oom_above` samples (an address-space limit)."""
@@ -293,11 +295,16 @@ class Faulty(nn.Module):
             out.register_hook(lambda grad: grad * float("inf"))
         if self.fault == "hang":
             time.sleep(3600)
+        while self.fault == "wait" and not self.marker.exists():
+            time.sleep(0.05)
         if self.fault == "raise":
             raise RuntimeError(f"helpers.Faulty: a bug on rank {self.rank} at forward {self.calls}")
         if self.fault == "kill" and not self.marker.exists():
             self.marker.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "exit" and not self.marker.exists():
+            self.marker.touch()
+            os._exit(17)
         return out
 
 

@@ -183,3 +183,99 @@ def test_nproc_per_node_that_contradicts_torchrun_is_refused(monkeypatch):
         config.check(compose_cfg("parallel.nproc_per_node=4"))
     with pytest.raises(ConfigError, match=r"^parallel.max_restarts=1 restarts the workers trainkit starts itself"):
         config.check(compose_cfg("parallel.max_restarts=1"))
+
+
+@pytest.mark.slow
+def test_a_refused_resume_or_a_non_finite_loss_ends_the_job_in_its_one_line_without_a_restart(tmp_path):
+    # A known refusal (exit 2) or run failure (exit 3) would fail the same way again: never restarted.
+    refused = run_train(
+        tmp_path / "refused",
+        "parallel.nproc_per_node=2",
+        "parallel.max_restarts=1",
+        *TINY,
+        "trainer.max_steps=4",
+        "checkpoint.resume=no/such/dir/step_00000005.pt",
+        check=False,
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [
+        "error: checkpoint.resume=no/such/dir/step_00000005.pt: no such checkpoint file (or DCP directory)"
+    ]
+    assert "trainkit |" not in refused.stdout and not (tmp_path / "refused").exists()  # nothing trained
+
+    nan = run_train(
+        tmp_path / "nan",
+        "parallel.nproc_per_node=2",
+        "parallel.max_restarts=1",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("nan", 2, 1, "/none", "mlp"),
+        check=False,
+    )
+    assert nan.returncode == 3, nan.stdout + nan.stderr
+    assert nan.stderr.splitlines() == [
+        "error: non-finite loss or gradient at step 2 (trainer.on_nonfinite=raise; skip drops such windows)"
+    ]
+    assert nan.stdout.count("trainkit | ddp x2") == 1  # the workers ran once
+
+
+@pytest.mark.slow
+def test_a_worker_that_exits_with_a_status_of_its_own_is_named(tmp_path):
+    # Rank 1 calls os._exit(17) in step 2; rank 0's collective fails because of it (a consequence).
+    proc = run_train(
+        tmp_path / "run",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("exit", 2, 1, tmp_path / "exited", "mlp"),
+        check=False,
+    )
+    assert proc.returncode == 17, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["error: rank 1: exited with status 17"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_restarted_before_its_first_checkpoint_continues_from_the_checkpoint_it_started_from(tmp_path):
+    marker = tmp_path / "killed"
+    marker.touch()  # no kill in the runs that make the checkpoint and the reference
+    run = [*TINY, "trainer.max_steps=6", "checkpoint.every=3", *faulty("kill", 2, 1, marker, "mlp")]
+    run_in_process(tmp_path / "source", *run, nproc=2)  # checkpoints at steps 3 and 6
+    resume = [f"checkpoint.resume={tmp_path / 'source' / 'checkpoints' / 'step_00000003.pt'}", "optim.lr=0.01"]
+    run_in_process(tmp_path / "uninterrupted", *run, *resume, nproc=2)  # the resume as it goes without a death
+    marker.unlink()
+    # Rank 1 dies (SIGKILL) in step 5 of the resumed run, before its dir's first checkpoint (step 6): the
+    # restarted round resumes step 3 of the source again, not a fresh run (a new lr: a fresh run differs).
+    proc = run_train(tmp_path / "run", *run, *resume, "parallel.nproc_per_node=2", "parallel.max_restarts=1")
+    assert marker.exists() and proc.stdout.count("at step 3") == 2, proc.stdout
+    assert proc.stderr.splitlines() == ["restarting the workers (restart 1 of 1) after: rank 1: died of SIGKILL"]
+    assert rows(tmp_path / "run", timings=False) == rows(tmp_path / "uninterrupted", timings=False)
+    assert max_diff(weights(tmp_path / "run"), weights(tmp_path / "uninterrupted")) == 0
+
+
+@pytest.mark.slow
+def test_a_self_launched_job_outlives_another_one_started_before_it(tmp_path):
+    # Each launch has its rendezvous store on a free port of its own. A second job on the first one's port
+    # would join the first one's store (and lose it when the first job ends).
+    first = start_train(tmp_path / "first", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")
+    assert first.stdout is not None
+    while not first.stdout.readline().startswith("step"):  # its workers train
+        assert first.poll() is None
+    go_on = tmp_path / "go_on"  # rank 0 of the second job waits for it in step 2
+    second = start_train(
+        tmp_path / "second",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("wait", 2, 0, go_on, "mlp"),
+    )
+    assert second.stdout is not None
+    while not second.stdout.readline().startswith("step"):  # step 1 is done
+        assert second.poll() is None
+    first.send_signal(signal.SIGTERM)
+    ended(first, timeout=60)
+    assert first.returncode == 128 + signal.SIGTERM
+    time.sleep(2)  # the second job's agent asks its store every 0.1 s: a lost store would fail it meanwhile
+    go_on.touch()
+    out, err = ended(second)
+    assert second.returncode == 0, out + err
+    assert (tmp_path / "second" / "model.pt").is_file()

@@ -34,12 +34,23 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from trainkit import config
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+
+
+def complete(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory` (files and DCP directories), oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
+    ]
+    return [p for _, p in sorted(found)]
 
 
 class Checkpointer:
@@ -59,14 +70,7 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (files and DCP directories), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [
-            (int(m.group(1)), p)
-            for p in self.directory.iterdir()
-            if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
-        ]
-        return [p for _, p in sorted(found)]
+        return complete(self.directory)
 
     def save(self, step: int, state: dict) -> Path:
         """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a
@@ -196,6 +200,22 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def flatten(container, prefix: str = "") -> dict:
+    """{"model.width": 128, ...} from nested dicts (for naming a differing setting)."""
+    if not isinstance(container, dict):
+        return {prefix: container}
+    flat = {}
+    for key, value in container.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
+    """["optim.lr=0.003 -> 1e-06", ...]: settings under `prefixes` that differ from `saved`."""
+    keys = sorted(k for k in saved.keys() | current.keys() if k.startswith(prefixes))
+    return [f"{k}={saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
+
+
 def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
     """What makes a checkpoint's run the same run, {setting: value}: a resume that changes any of it
     is refused (check_compatible). The world size and K are not in it (a resume may change them)."""
@@ -205,12 +225,18 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
         "optim._target_": cfg.optim._target_,
         "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
-        **config.flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
-        **config.flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
+        **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
+        **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
     return identity
+
+
+def run_settings(cfg: DictConfig) -> dict:
+    """Every setting of the run, flat ({"optim.lr": 0.003, ...}): a resume may change those under
+    optim., sched. and trainer. (train.py names them, see `changes`)."""
+    return flatten(OmegaConf.to_container(cfg, resolve=True))
 
 
 def check_compatible(saved: dict, current: dict) -> None:

@@ -171,12 +171,6 @@ def save(cfg: DictConfig, run_dir: Path, files: dict[str, str] | None = None) ->
         (Path(run_dir) / name).write_text(content)
 
 
-def changes(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
-    """["optim.lr=0.003 -> 1e-06", ...]: settings under `prefixes` that differ from `saved`."""
-    keys = sorted(k for k in saved.keys() | current.keys() if k.startswith(prefixes))
-    return [f"{k}={saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
-
-
 MAX_SEED = 2**32 - 1
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
@@ -398,16 +392,6 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
             "accumulation=sync_each_batch"
         )
     return K
-
-
-def flatten(container, prefix: str = "") -> dict:
-    """{"model.width": 128, ...} from nested dicts (for naming a differing setting)."""
-    if not isinstance(container, dict):
-        return {prefix: container}
-    flat = {}
-    for key, value in container.items():
-        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
 
 
 def run_cli(main: Callable[[], Any]) -> None:

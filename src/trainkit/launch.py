@@ -5,10 +5,11 @@ c10d rendezvous on a free localhost port of its own for every launch (the jobs o
 meet). Each worker runs the job with the config this process composed and checked and with its run
 dir: nothing re-parses sys.argv (re-executing the script, as Lightning does, breaks Hydra's multirun)
 and no worker makes a run dir of its own. A worker's failure comes back through torch's error files
-as one line, printed here once; `parallel.max_restarts` restarts the group, which resumes from the run
-dir's newest checkpoint.
+as one line, printed here once; `parallel.max_restarts` restarts the group after a death, and the
+restarted group continues the run (see start).
 """
 
+import copy
 import ctypes
 import json
 import logging
@@ -26,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainkit import dist
+from trainkit.checkpoint import complete
 from trainkit.errors import WORKER, ConfigError, RunError, is_worker
 from trainkit.parallel import resolve_mode
 
@@ -104,7 +106,15 @@ class WorkersFailed(Exception):
 
 def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -> Any:
     """Run entry(cfg, run_dir, job) on N local workers under torch's elastic agent; rank 0's return value.
-    Raises WorkersFailed with the root cause when the group failed (after parallel.max_restarts restarts)."""
+    Raises WorkersFailed with the root cause when the group failed (after parallel.max_restarts restarts).
+
+    The restarts are this loop's, not the agent's (its max_restarts=0): the agent restarts any failure,
+    and a known one, a refused setting (exit 2) or a run failure such as a non-finite loss (exit 3),
+    would only fail again, or be turned into another run by the restarted round's resume. Here the root
+    cause decides: a known failure ends the job with its line, a death (a signal, an exit status of its
+    own, an exception trainkit does not know) restarts the group. Each round is a new launch: a new
+    rendezvous on a free port and a new run id, so its process group meets in a store of its own (an
+    agent's restarts reuse one store, whose keys dist._store keeps apart by TORCHELASTIC_RESTART_COUNT)."""
     from hydra.core.hydra_config import HydraConfig
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -114,14 +124,26 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the agent installs its own: put them back
     sys.stdout.flush()  # a forked worker would print what is still buffered here once more
     sys.stderr.flush()
-    keep_logs = False
+    keep_logs, restarts, this_round = False, cfg.parallel.max_restarts, cfg
     try:
         _quiet_agent()
-        launch = elastic_launch(_launch_config(cfg, logs), _worker)
-        return launch(entry, cfg, run_dir, job, HydraConfig.instance().cfg, os.getpid())[0]
-    except ChildFailedError as failed:
-        error, code, keep_logs = _root_cause(failed, logs)
-        raise WorkersFailed(error, code) from None
+        for restart in range(restarts + 1):
+            round_logs = Path(logs) / f"round_{restart}"  # each round's error files apart (_root_cause)
+            try:
+                launch = elastic_launch(_launch_config(cfg, str(round_logs)), _worker)
+                return launch(entry, this_round, run_dir, job, HydraConfig.instance().cfg, os.getpid())[0]
+            except ChildFailedError as failed:
+                cause = _root_cause(failed, round_logs)
+                keep_logs = keep_logs or cause.traceback  # the line printed names the traceback's file
+                if cause.known or restart == restarts:
+                    raise WorkersFailed(cause.error, cause.code) from None
+                print(
+                    f"restarting the workers (restart {restart + 1} of {restarts}) after: {cause.error}",
+                    file=sys.stderr,
+                    flush=True,  # before the next round forks: a forked worker would print it again
+                )
+                this_round = restarted(cfg, run_dir)
+        raise AssertionError("unreachable: the last round returned or raised")
     except SignalException as stopped:  # SIGTERM / Ctrl-C here: the agent has ended the workers
         print(f"error: stopped by {stopped.sigval.name}; the workers were ended", file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.sigval) from None
@@ -130,6 +152,18 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
             signal.signal(sig, handler)
         if not keep_logs:
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def restarted(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """The config of a restarted round: it continues the run, from the newest checkpoint of its run dir,
+    else (a death before the first checkpoint) from where the first round started: checkpoint.resume's
+    path (auto would find nothing and start afresh), or afresh (auto, null). checkpoint.resume=null can
+    take auto: in a dir that held a run before, the first round was refused (exit 2, never restarted)."""
+    if not complete(run_dir / "checkpoints"):  # train.py's Checkpointer writes them there
+        return cfg
+    again = copy.deepcopy(cfg)  # the job's own config stays as composed
+    again.checkpoint.resume = "auto"
+    return again
 
 
 def _quiet_agent() -> None:
@@ -156,7 +190,7 @@ def _launch_config(cfg: DictConfig, logs: str):
         rdzv_backend="c10d",  # LaunchConfig's default is etcd
         rdzv_endpoint="localhost:0",  # port 0: a free port for this launch (two sweep jobs never share one)
         rdzv_configs={"timeout": 60},  # the workers are local: they meet in well under a second
-        max_restarts=cfg.parallel.max_restarts,  # LaunchConfig's default is 3
+        max_restarts=0,  # LaunchConfig's default is 3; parallel.max_restarts is start's loop
         monitor_interval=0.1,
         start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=logs),  # error files only: workers print to this console
@@ -184,15 +218,11 @@ def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int,
     if start_method() == "fork":  # one intra-op thread: see start_method
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # A restarted group continues the run in its run dir: the newest checkpoint there, whatever the
-        # first round started from (checkpoint.resume=null or a path would refuse or rewind it).
-        cfg.checkpoint.resume = "auto"  # this worker's copy
     return entry(cfg, run_dir, job)
 
 
 class _Cause(NamedTuple):
-    kind: int  # 0: an error a worker said, 1: killed by a signal, 2: a consequence of another rank's failure, 3: silent
+    kind: int  # 0: an error a worker said, 1: a death (a signal, an exit status of its own), 2: a consequence
     timestamp: int
     message: str
     code: int  # the worker's exit status
@@ -200,20 +230,29 @@ class _Cause(NamedTuple):
     error_file: str = ""
 
 
-def _root_cause(failed, logs: str) -> tuple[ConfigError | RunError, int, bool]:
-    """The failure that explains the others, as (error, exit status, traceback kept). Read from every
-    error file of the last round, not only the failure the agent saw first: a rank whose collective
-    failed may exit before the rank that raised. The first kind wins, then the earliest, then rank 0."""
+class RootCause(NamedTuple):
+    error: ConfigError | RunError  # the one line to print
+    code: int  # the exit status
+    traceback: bool  # torch's error file with the traceback is kept (the line names it)
+    known: bool  # trainkit's own refusal or run failure (exit 2, 3): a restart would fail the same way
+
+
+def _root_cause(failed, logs: Path) -> RootCause:
+    """The failure that explains the others. Read from every error file of the round (its own log
+    dir), not only the failure the agent saw first: a rank whose collective failed may exit before the
+    rank that raised. The first kind wins, then the earliest, then rank 0. A worker that exits without an
+    error file (os._exit, a SystemExit of its own) died as a killed one did: a rank whose collective
+    failed because of it is the consequence."""
     causes = {}
     for rank, failure in failed.failures.items():
         if failure.exitcode < 0:
             causes[rank] = _Cause(1, failure.timestamp, f"died of {failure.signal_name()}", 1, False)
         else:
             causes[rank] = _Cause(
-                3, failure.timestamp, f"exited with status {failure.exitcode}", failure.exitcode, False
+                1, failure.timestamp, f"exited with status {failure.exitcode}", failure.exitcode, False
             )
-    last_round = max(Path(logs).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]), default=None)
-    for path in sorted(last_round.glob("*/error.json")) if last_round else []:
+    attempt = next(logs.glob("*/attempt_0"), None)  # the agent's only attempt (it restarts nothing)
+    for path in sorted(attempt.glob("*/error.json")) if attempt else []:
         data = json.loads(path.read_text())
         said, ours = data["message"], data.get("trainkit")
         kind = 2 if ours and ours["peer_failed"] else 0
@@ -227,4 +266,5 @@ def _root_cause(failed, logs: str) -> tuple[ConfigError | RunError, int, bool]:
     if traceback:  # its first line here, the traceback in torch's error file
         message = f"{message.strip().splitlines()[0][:300]} (traceback: {cause.error_file})"
     text = message if cause.ours else f"rank {rank}: {message}"  # trainkit's line names a rank where it matters
-    return (ConfigError(text) if cause.code == 2 else RunError(text)), cause.code, traceback
+    error = ConfigError(text) if cause.code == 2 else RunError(text)
+    return RootCause(error, cause.code, traceback, cause.ours and cause.kind == 0 and cause.code in (2, 3))

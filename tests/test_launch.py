@@ -1,7 +1,8 @@
 """`python src/train.py parallel.nproc_per_node=2`: train.py starts its own workers through torch's
 elastic agent. The run equals the torchrun run, a sweep's jobs each own their workers, a worker's
-failure is one line and leaves no process behind (also on SIGTERM of the parent), and a dead worker
-restarts the group, which resumes from the newest checkpoint."""
+failure is one line and leaves no process behind (also on SIGTERM of the parent), a dead worker
+restarts the group, which continues the run (its newest checkpoint, else where it started), and a
+refusal or run failure (exit 2, 3) is never restarted."""
 
 import os
 import shutil

@@ -133,13 +133,19 @@ def run_in_process(
     return "".join(run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False))
 
 
+# Equivalence runs (two runs that must train alike: W ranks against one process, a resume on another
+# world size, compiled against eager) step with SGD: its update is lr x gradient, so the gradients'
+# reduction-order rounding (~1e-7 relative) stays that small in the weights, on any CPU. AdamW's
+# m / (sqrt(v) + eps) makes a near-zero gradient's rounding a step of up to lr (test_fsdp_units' GPT:
+# 5.2e-5 on a second machine, 3.6e-5 here), and hides a gradient off by a constant factor.
+
 # A small BatchNorm model for the SyncBN equivalences: one process at b=32 against 2 ranks at b=16.
 SYNC_BN = [
     "model=cnn",
     "model.width=8",
     "trainer.max_steps=12",
     "trainer.log_every=4",
-    "optim=adamw",
+    "optim=sgd",
     "trainer.clip_grad_norm=1.0",
 ]
 
@@ -451,3 +457,46 @@ def warning_mlp(**kwargs) -> nn.Module:
 
     warnings.warn("helpers.warning_mlp: a warning every rank raises", UserWarning, stacklevel=1)
     return mlp(**kwargs)
+
+
+DROPOUT_MASKS: list[torch.Tensor] = []  # what dropout_mlp's dropout layers drew in this process, in order
+
+
+def _record_dropout_mask(module: nn.Module, args: tuple) -> None:
+    """A forward pre-hook on nn.Dropout: the keep-mask its training forward is about to draw (the same
+    draw on ones, the generator put back, so the forward itself then draws exactly this mask)."""
+    if module.training:
+        state = torch.get_rng_state()
+        DROPOUT_MASKS.append(torch.nn.functional.dropout(torch.ones_like(args[0]), module.p) != 0)
+        torch.set_rng_state(state)
+
+
+def _check_dropout_mask(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    if module.training:  # the recorded mask is the one the forward drew: zero wherever it drops
+        assert not out[~DROPOUT_MASKS[-1]].any()
+
+
+def dropout_mlp(**kwargs) -> nn.Module:
+    """model._target_=helpers.dropout_mlp: the mlp, its dropout masks recorded in DROPOUT_MASKS."""
+    from trainkit.models import mlp
+
+    model = mlp(**kwargs)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_pre_hook(_record_dropout_mask)
+            module.register_forward_hook(_check_dropout_mask)
+    return model
+
+
+def _dropout_masks_worker(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> list[torch.Tensor]:
+    DROPOUT_MASKS.clear()
+    _torchrun_worker(rank, world_size, "train", run_dir, overrides)
+    return list(DROPOUT_MASKS)
+
+
+def dropout_masks(run_dir: Path, *overrides: str, nproc: int = 2) -> list[list[torch.Tensor]]:
+    """run_in_process(run_dir, "model._target_=helpers.dropout_mlp", *overrides, nproc=nproc): every
+    rank's dropout masks, in the order drawn."""
+    importlib.import_module("train")  # once here, not in every forked rank
+    overrides = ("model._target_=helpers.dropout_mlp", *overrides)
+    return run_distributed(_dropout_masks_worker, nproc, str(run_dir), overrides, group=False)

@@ -13,6 +13,7 @@ from helpers import rows, run_in_process, weights
 # (mid-epoch: 45 windows an epoch) and rows every 4 steps.
 RUN = [
     "model.width=32",
+    "optim=sgd",  # an equivalence: SGD (tests/helpers.py)
     "accumulation.global_batch_size=32",
     "data.batch_size=8",
     "trainer.max_steps=12",
@@ -41,7 +42,10 @@ def resume(source: Path, target: Path, checkpoint: str, *overrides: str, nproc: 
 def assert_same_run(resumed: Path, reference: Path):
     a, b = weights(resumed), weights(reference)
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"max |resumed - uninterrupted| {diff:.2e}")
+    # SGD: reduction-order rounding alone (<= 1.5e-8 measured); 1e-5 is ~700x that.
+    assert diff < 1e-5
     for x, y in zip(rows(resumed), rows(reference), strict=True):  # the rows before and after the resume
         assert (x["step"], x["samples"]) == (y["step"], y["samples"])
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)

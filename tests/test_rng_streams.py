@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from helpers import ROOT, NoisyDigits, run_in_process
+from helpers import ROOT, NoisyDigits, dropout_masks, run_in_process
 from trainkit.data import InMemory, TrainLoader
 from trainkit.dist import Dist
 
@@ -136,6 +136,7 @@ def test_only_a_data_set_that_may_draw_is_seeded_per_sample():
 # the same global batches of the same augmented samples, so the same weights (rule 16).
 AUGMENTED = [
     "data.splits._target_=helpers.noisy_digits",
+    "optim=sgd",  # an equivalence: SGD (tests/helpers.py)
     "data.batch_size=8",
     "model.width=32",
     "trainer.max_steps=6",
@@ -150,7 +151,7 @@ def test_augmented_training_is_world_size_invariant(tmp_path):
     run_in_process(tmp_path / "two", *AUGMENTED, "accumulation.steps=2", nproc=2)
     one, two = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("one", "two"))
     print(f"max |weights(2 x K2 x b8) - weights(1 x K4 x b8)| {max_diff(one, two):.2e}")
-    for key in one:
+    for key in one:  # SGD: reduction-order rounding alone, 7.5e-9 measured; 1e-5 is ~1000x that
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
@@ -165,6 +166,39 @@ def test_the_training_stream_is_seeded_by_seed_step_and_rank_alone():
         seed_step(0, 7, 1, torch.device("cpu"))
         draws.append(torch.rand(3))
     assert torch.equal(*draws)
+
+
+# 2 ranks of train.py, an mlp with dropout in each of its 2 hidden layers, K=2, 4 optimizer steps. The
+# call is what is tested, not step_seed's values: train.py's seed_step with the rank replaced by 0 fails
+# the first loop below (planted, seen), with the step replaced by 0 the second.
+DROPOUT_RANKS = [
+    "model.width=16",
+    "model.dropout=0.5",
+    "data.batch_size=8",
+    "accumulation.steps=2",
+    "trainer.max_steps=4",
+    "trainer.eval_every=1000",
+    "checkpoint.every=0",
+    "parallel=ddp",
+]
+
+
+def test_the_ranks_draw_different_dropout_masks_at_every_step_and_each_rank_anew_at_each_step(tmp_path):
+    ranks = dropout_masks(tmp_path, *DROPOUT_RANKS, nproc=2)
+    steps, per_step = 4, 2 * 2  # K=2 micro-steps x 2 dropout layers a step
+    assert [len(masks) for masks in ranks] == [steps * per_step] * 2
+    # What one rank draws in step s: its K micro-steps' masks of both layers, as one vector of 512 bits.
+    draws = [
+        [torch.cat([m.flatten() for m in masks[s * per_step : (s + 1) * per_step]]) for s in range(steps)]
+        for masks in ranks
+    ]
+    assert all(0.3 < d.float().mean() < 0.7 for rank in draws for d in rank)  # p=0.5: real draws
+    for s in range(steps):  # the ranks differ at every step (seeded with the rank) ...
+        assert not torch.equal(draws[0][s], draws[1][s]), f"ranks 0 and 1 drew the same dropout masks at step {s}"
+    for r, rank in enumerate(draws):  # ... and each rank draws anew at every step (seeded with the step)
+        for s in range(steps):
+            for t in range(s):
+                assert not torch.equal(rank[s], rank[t]), f"rank {r} drew the same dropout masks at steps {t} and {s}"
 
 
 def test_a_resume_that_cannot_be_exact_is_refused_naming_the_setting(no_workers, tmp_path):

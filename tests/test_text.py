@@ -83,10 +83,13 @@ def test_random_blocks_start_anywhere_in_their_document_and_never_cross_its_end(
     assert len({tuple(t.tolist()) for t in other}) > 1  # and new blocks in another epoch
 
 
-# A tiny GPT on the corpus, 6 steps of a global batch of 32 blocks of 128 characters (AdamW, cosine
-# warmup, clipping): the micro-batches hold different numbers of loss-bearing characters.
+# A tiny GPT on the corpus, 6 steps of a global batch of 32 blocks of 128 characters (SGD, cosine
+# warmup, clipping): the micro-batches hold different numbers of loss-bearing characters. SGD: an
+# equivalence (tests/helpers.py); +experiment=pydoc_gpt's AdamW keys (betas) do not compose with it.
 TEXT = [
-    "+experiment=pydoc_gpt",
+    "data=pydoc_text",
+    "model=gpt",
+    "optim=sgd",
     "model.n_layer=1",
     "model.n_head=2",
     "model.n_embd=32",
@@ -126,7 +129,7 @@ def test_two_ranks_k2_b8_equal_one_process_b32_on_the_corpus(single_text, tmp_pa
     assert single[-1]["val/bpc"] == pytest.approx(single[-1]["val/loss"] / torch.log(torch.tensor(2.0)).item())
     error = max_diff(weights(tmp_path), weights(single_text))
     print(f"max |weights - one process| {error:.2e}")
-    assert error < 1e-5
+    assert error < 1e-5  # SGD: reduction-order rounding alone, 2.2e-8 measured; 1e-5 is ~400x that
     assert (tmp_path / "vocab.json").read_text() == (single_text / "vocab.json").read_text()
 
 

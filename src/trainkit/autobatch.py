@@ -34,19 +34,12 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from trainkit import config
-from trainkit.config import RankError, RunError
+from trainkit.config import RankError, RunError, out_of_memory
 from trainkit.dist import Dist
 from trainkit.parallel import unwrap
 from trainkit.syncbn import SyncBatchNorm
 
 SEARCH_WINDOWS = 2  # windows that must fit before a search with per-layer points ends
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """A device's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-    )
 
 
 class _PeerOutOfMemory(Exception):

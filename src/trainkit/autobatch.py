@@ -20,6 +20,9 @@ it at once. Where the points are:
   the syncing backward is retried. That is a host sync per layer: only while searching, until two
   windows fit (the second after the optimizer allocated its state); an out-of-memory after the
   search ends the run with one error.
+
+Evaluation and predict.py halve their own batch on out of memory, also all ranks together
+(trainkit.halving); an evaluation batch does not change the training micro-batch.
 """
 
 import contextlib

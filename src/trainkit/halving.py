@@ -6,12 +6,14 @@ starts at the same offset of its shard. After each batch's forward they agree th
 of a flag (rule 17) whether any rank ran out of memory; if one did, every rank drops that batch's
 result and reads the same samples again at half the batch size, which the next pass starts at. A
 forward holds no state to undo, and evaluation metrics are sums and counts: the results are those
-of the full batch (to reduction order).
+of the full batch (to float rounding: a per-sample loss may differ in its last bits at another batch
+size).
 
-The agreement is one all-reduce per batch (per model forward with collectives in it, under FSDP:
-an FSDP unit all-gathers in its forward, so the ranks agree before each unit, as autobatch does while
-searching). Every rank runs as many steps as the rank with the largest shard: a rank that is done
-runs empty batches under FSDP (its forwards must join) and otherwise only takes the agreements.
+The agreement costs one all-reduce of a flag per batch (a host sync). Under FSDP, whose units
+all-gather in their forward, the ranks also agree before each unit (as autobatch's points do while
+searching, here in every evaluation): an out of memory between two all-gathers is retried too. Every
+rank runs as many steps as the rank with the largest shard: a rank that is done runs empty batches
+under FSDP (its forwards must join the all-gathers) and otherwise takes only the agreements.
 """
 
 import contextlib

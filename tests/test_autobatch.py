@@ -279,6 +279,18 @@ def test_an_oom_in_evaluation_halves_its_batch_on_all_ranks_and_keeps_the_checkp
     assert_same_rows(rows(auto), rows(fixed))  # the same val/loss and val/acc: every sample once
 
 
+def test_a_resume_evaluates_at_the_evaluation_batch_found_before(eval_runs, tmp_path):
+    # The final checkpoint: nothing left to train, the evaluation runs again, at 4 from the start.
+    auto, _, _ = eval_runs("ddp")
+    checkpoint = auto / "checkpoints" / "step_00000003.pt"
+    overrides = [*EVAL_OOM, *eval_oom(4), "data.batch_size=auto", f"checkpoint.resume={checkpoint}"]
+    out = run_in_process(tmp_path, *overrides, "parallel=ddp", nproc=2)
+    assert "out of memory" not in out, out
+    final = rows(auto)[-1]
+    assert f"val acc {final['val/acc']:.4f}" in out  # the same batches: the same numbers
+    assert_same_weights(auto, tmp_path)
+
+
 def test_predict_of_an_auto_run_halves_its_batch_on_an_oom_and_predicts_every_sample_once(eval_runs, tmp_path):
     # The run's own model (it runs out of memory above 4 on rank 1) at the run's micro-batch 16, against
     # batch 4 given explicitly (which does not halve).

@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import config, dist, sampling, text
 from trainkit.addition import END, IGNORE
 from trainkit.checkpoint import load_model
-from trainkit.data import eval_loader
 from trainkit.errors import ConfigError, user_error
+from trainkit.halving import EvalBatches
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
 from trainkit.tasks import LanguageModel
@@ -113,10 +113,11 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
     batch_size = cfg.batch_size or run_cfg.data.batch_size
-    if batch_size == "auto":  # the run searched its micro-batch: start where its search started
+    auto = batch_size == "auto"  # the run searched its micro-batch: start where its search started, halve alike
+    if auto:
         batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
     # Contiguous shards: every sample exactly once, and rank order is dataset order.
-    loader = eval_loader(dataset, d, batch_size, run_cfg.data.num_workers)
+    loader = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto, what="prediction")
     model = instantiate(run_cfg.model)
     load_weights(model, run_dir / "model.pt")
     d.print0(

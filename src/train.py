@@ -5,7 +5,6 @@ Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 """
 
 import math
-from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
@@ -29,12 +28,13 @@ from trainkit.checkpoint import (
     run_settings,
     snapshot,
 )
-from trainkit.data import TrainLoader, eval_loader
+from trainkit.data import TrainLoader
 from trainkit.errors import ConfigError, RankError, user_error
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
+from trainkit.halving import EvalBatches
 from trainkit.metrics import TrainMeter, make_logger
-from trainkit.parallel import EqualBatches, full_tensor, resolve_mode, unwrap, wrap
+from trainkit.parallel import full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.progress import Progress
 from trainkit.rng import seed_all, seed_step
@@ -52,7 +52,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
     auto = AutoBatch(cfg, d)  # micro-batch b and K; data.batch_size=auto: b = global / W, halved on out of memory
 
-    def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader, Iterable]:  # again when auto halves b
+    def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader]:  # again when auto halves b
         layout = EpochLayout(len(train_set), d.world_size, b, K)
         loader = TrainLoader(
             train_set,
@@ -64,12 +64,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             cfg.data.get("pin_memory", True),  # .get: a data set's own yaml without the schema may leave them out
             cfg.data.get("prefetch_factor"),
         )
-        val_loader: Iterable = eval_loader(val_set, d, b, cfg.data.num_workers)
-        if mode == "fsdp":  # an FSDP forward all-gathers: every rank runs as many (padded with empty batches)
-            val_loader = EqualBatches(val_loader, d.world_size)
-        return layout, loader, val_loader
+        return layout, loader
 
-    layout, loader, val_loader = data_for(auto.batch_size, auto.K)
+    layout, loader = data_for(auto.batch_size, auto.K)
+    # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
+    val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, cfg.data.num_workers, auto.enabled, mode == "fsdp")
     steps_per_epoch = layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -127,7 +126,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             return None
         restore(resumed, *stateful, d)
         auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
-        layout, loader, val_loader = data_for(auto.batch_size, auto.K)
+        val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
+        layout, loader = data_for(auto.batch_size, auto.K)
         start = resumed["progress"]
         d.print0(f"resumed from {resumed['path']} at step {start['step']}")
         if changed := changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
@@ -189,7 +189,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     optimizer.zero_grad(set_to_none=True)
                     guard.put_back_buffers()
                     meter.window_loss.zero_()
-                    layout, loader, val_loader = data_for(auto.batch_size, auto.K)
+                    layout, loader = data_for(auto.batch_size, auto.K)
                     batches = loader.epoch(epoch, start=window * auto.K)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -224,8 +224,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
                     )
                 with meter.paused():
-                    if eval_now:
-                        row |= (val := evaluate(unwrap(model), val_loader, d, autocast, task))
+                    if eval_now and (val := evaluate(unwrap(model), val_batches, d, autocast, task)):  # {}: nothing fit
+                        row |= val
                         console.print(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
                             f"val acc {val['val/acc']:.4f}"
@@ -237,10 +237,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         state = snapshot(*stateful, progress, identity, settings, logger.run_id, d)
-                        checkpointer.save(step, state | {"autobatch": auto.state_dict()})  # auto: a resume starts at b
+                        auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
+                        checkpointer.save(step, state | {"autobatch": auto_state})
+                    val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
-        val = evaluate(unwrap(model), val_loader, d, autocast, task)
+        val = evaluate(unwrap(model), val_batches, d, autocast, task)
+        val_batches.check()
     final = full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
         torch.save(final, run_dir / "model.pt")

@@ -267,7 +267,8 @@ class Faulty(nn.Module):
         own would), or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
     device too small for that micro-batch would ("oom": the at_forward-th too); "rlimit": a real allocation
-    of 64 MiB a sample fails above `oom_above` samples (an address-space limit)."""
+    of 64 MiB a sample fails above `oom_above` samples (an address-space limit); "oom_eval": every
+    evaluation (eval mode) forward of more than `oom_above` samples raises torch.OutOfMemoryError."""
 
     def __init__(self, inner: nn.Module, fault: str, at_forward: int, rank: int, marker: str, oom_above: int = 0):
         super().__init__()
@@ -278,6 +279,9 @@ class Faulty(nn.Module):
             first.register_forward_hook(lambda module, args, out: _OutOfMemoryInBackward.apply(out, self.raises))
 
     def forward(self, x):
+        evaluating_here = not self.training and int(os.environ.get("RANK", 0)) == self.rank
+        if self.fault == "oom_eval" and evaluating_here and len(x) > self.oom_above:
+            raise torch.OutOfMemoryError(f"helpers.Faulty: out of memory at an evaluation batch of {len(x)}")
         if self.fault == "oom_backward":  # the same graph on every rank, as a real one
             self.raises = self.training and int(os.environ.get("RANK", 0)) == self.rank and len(x) > self.oom_above
         if not self.training or int(os.environ.get("RANK", 0)) != self.rank:

@@ -20,6 +20,9 @@ it at once. Where the points are:
   the syncing backward is retried. That is a host sync per layer: only while searching, until two
   windows fit (the second after the optimizer allocated its state); an out-of-memory after the
   search ends the run with one error.
+
+Evaluation and predict.py halve their own batch on out of memory, also all ranks together
+(trainkit.halving); an evaluation batch does not change the training micro-batch.
 """
 
 import contextlib
@@ -35,18 +38,11 @@ from torch.utils.hooks import RemovableHandle
 
 from trainkit import config
 from trainkit.dist import Dist
-from trainkit.errors import RankError, RunError
+from trainkit.errors import RankError, RunError, out_of_memory
 from trainkit.parallel import unwrap
 from trainkit.syncbn import SyncBatchNorm
 
 SEARCH_WINDOWS = 2  # windows that must fit before a search with per-layer points ends
-
-
-def out_of_memory(error: BaseException) -> bool:
-    """A device's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-    )
 
 
 class _PeerOutOfMemory(Exception):

@@ -136,8 +136,9 @@ class ContiguousSampler(Sampler[int]):
     ranks, no padding duplicates (DistributedSampler pads and strides, which double-counts
     samples in metrics), and per-rank results concatenate back into dataset order."""
 
-    def __init__(self, num_samples: int, world_size: int, rank: int):
+    def __init__(self, num_samples: int, world_size: int, rank: int, skip: int = 0):
         self.start, self.end = shard_bounds(num_samples, world_size, rank)
+        self.start = min(self.start + skip, self.end)  # skip: the block's first samples (done already)
 
     def __iter__(self):
         return iter(range(self.start, self.end))
@@ -286,8 +287,8 @@ class TrainLoader:
             yield from itertools.repeat(empty, self.micro_batches - ran)
 
 
-def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int) -> DataLoader:
-    sampler = ContiguousSampler(length(dataset), d.world_size, d.rank)
+def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int, skip: int = 0) -> DataLoader:
+    sampler = ContiguousSampler(length(dataset), d.world_size, d.rank, skip)
     return DataLoader(
         dataset,
         batch_size=batch_size,

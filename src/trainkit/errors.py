@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from hydra.errors import InstantiationException
 
 
@@ -22,9 +23,23 @@ class RankError(RunError):
     it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """A device's OutOfMemoryError, or the CPU allocator's "can't allocate memory"."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
+
+
 def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
-    `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too."""
+    `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too. An
+    out-of-memory error that reached the entry point (nothing retried it) is this rank's RunError."""
+    if error is not None and out_of_memory(error):
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        return RankError(
+            f"out of memory: {first} (a smaller data.batch_size, data.batch_size=auto with "
+            "accumulation.global_batch_size, or trainer.precision=bf16)"
+        )
     while error is not None and not isinstance(error, (ConfigError, RunError)):
         if isinstance(error, InstantiationException) and isinstance(error.__cause__, TypeError):
             target = str(error).split("'")[1] if "'" in str(error) else "a _target_"

@@ -3,17 +3,20 @@
 import torch
 
 from trainkit.dist import Dist
+from trainkit.halving import batches_of
 from trainkit.tasks import Classification
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task: Classification) -> dict[str, float]:
     """The task's loss and accuracy over the loader's contiguous shards (data.eval_loader), from
-    all-reduced sums and counts, never a mean of per-rank means.
+    all-reduced sums and counts, never a mean of per-rank means. `loader`: any iterable of batches,
+    or halving.EvalBatches (data.batch_size=auto: a batch that ran out of memory runs again at half
+    the size; {} when even a batch of 1 did not fit, see EvalBatches.check).
 
     Pass the unwrapped module: a DDP forward may run collectives, and the shards (hence the
     number of batches) may differ by one sample between ranks. (An FSDP forward always
-    all-gathers: train.py pads its eval loader with empty batches, parallel.EqualBatches.)
+    all-gathers: train.py's EvalBatches pad with empty batches, as parallel.EqualBatches does.)
     """
     # DDP broadcasts rank 0's buffers (BatchNorm running stats) at the start of each forward, so
     # each rank's own last forward left its copy different: evaluate with rank 0's, which
@@ -28,10 +31,16 @@ def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     was_training = model.training
     model.eval()
     sums = torch.zeros(task.eval_width, dtype=torch.float64, device=d.device)  # loss, correct, counts, ...
-    for x, y in loader:
-        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-        with autocast():
-            output = model(x)
-        sums += task.eval_sums(x, output, y).to(d.device)
+    batches = batches_of(loader)
+    for x, y in batches.over(model):
+        with batches.catching():  # auto: an out of memory drops this attempt at the batch
+            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            with autocast():
+                output = model(x)
+            batch_sums = task.eval_sums(x, output, y).to(d.device)
+        if batches.fits():  # all ranks together; else the same samples come again, in smaller batches
+            sums += batch_sums
     model.train(was_training)
+    if batches.failure:  # every rank alike: not even a batch of 1 fitted
+        return {}
     return task.eval_metrics(d.all_reduce_sum(sums).tolist())

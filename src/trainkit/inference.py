@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from trainkit.dist import Dist
+from trainkit.halving import batches_of
 
 
 def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -41,14 +42,18 @@ def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
 def predict(model: torch.nn.Module, loader, d: Dist, autocast=contextlib.nullcontext) -> dict[str, torch.Tensor]:
     """Logits (float32, N x C) and targets (N) of the whole data set, in dataset order, on every
     rank (CPU tensors). `loader` reads this rank's contiguous shard (data.eval_loader); `model`
-    is the plain module, equal on every rank (no DDP wrapper: shards differ in batch count)."""
+    is the plain module, equal on every rank (no DDP wrapper: shards differ in batch count).
+    halving.EvalBatches as `loader`: a batch that ran out of memory runs again at half the size."""
     model.eval()
     logits, targets = [], []
-    for x, y in loader:
-        with autocast():
+    batches = batches_of(loader)
+    for x, y in batches.over(model):
+        with batches.catching(), autocast():
             out = model(x.to(d.device, non_blocking=True))
-        logits.append(out.float())  # float32 whatever the autocast dtype: ranks must agree
-        targets.append(y.to(d.device))
+        if batches.fits():  # all ranks together; else the same samples again, in smaller batches
+            logits.append(out.float())  # float32 whatever the autocast dtype: ranks must agree
+            targets.append(y.to(d.device))
+    batches.check()  # not even a batch of 1 fitted: every rank raises
     # An empty shard (fewer samples than ranks) still joins both collectives.
     local_logits = torch.cat(logits) if logits else torch.empty(0, 0, device=d.device)
     local_targets = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=d.device)
@@ -64,25 +69,34 @@ def generate(model: torch.nn.Module, loader, d: Dist, end: int, ignore: int, aut
     before the answer). Rows of a batch are decoded together per prompt length (one forward per
     new token, the whole prefix each time: no cache, the models here are small), until every
     row has produced `end` or the model's block_size is full. `loader` reads this rank's
-    contiguous shard; results are gathered like predict()'s."""
+    contiguous shard; results are gathered like predict()'s (and batches halve like its)."""
     model.eval()
     limit = int(model.block_size)  # type: ignore[arg-type]  # sequence models carry their block_size
     rows = []
-    for x, y in loader:
-        x, y = x.to(d.device), y.to(d.device)
-        prompt_lengths = (y != ignore).int().argmax(dim=1) + 1
-        out = torch.full((len(x), limit), -1, dtype=torch.long, device=d.device)
-        for length in prompt_lengths.unique().tolist():
-            group = (prompt_lengths == length).nonzero().squeeze(1)
-            tokens, done = x[group, :length], torch.zeros(len(group), dtype=torch.bool, device=d.device)
-            for step in range(limit - length):
-                with autocast():
-                    following = model(tokens)[:, -1].argmax(dim=-1)
-                out[group[~done], step] = following[~done]
-                done |= following == end
-                if done.all():
-                    break
-                tokens = torch.cat([tokens, following[:, None]], dim=1)
-        rows.append(out)
+    batches = batches_of(loader)
+    for x, y in batches.over(model):
+        with batches.catching():
+            out = _decode(model, x.to(d.device), y.to(d.device), limit, end, ignore, autocast)
+        if batches.fits():  # all ranks together; else the same samples again, in smaller batches
+            rows.append(out)
+    batches.check()
     local = torch.cat(rows) if rows else torch.empty(0, limit, dtype=torch.long, device=d.device)
     return gather(local, d).cpu()
+
+
+def _decode(model, x, y, limit: int, end: int, ignore: int, autocast) -> torch.Tensor:
+    """generate()'s tokens for one batch."""
+    prompt_lengths = (y != ignore).int().argmax(dim=1) + 1
+    out = torch.full((len(x), limit), -1, dtype=torch.long, device=x.device)
+    for length in prompt_lengths.unique().tolist():
+        group = (prompt_lengths == length).nonzero().squeeze(1)
+        tokens, done = x[group, :length], torch.zeros(len(group), dtype=torch.bool, device=x.device)
+        for step in range(limit - length):
+            with autocast():
+                following = model(tokens)[:, -1].argmax(dim=-1)
+            out[group[~done], step] = following[~done]
+            done |= following == end
+            if done.all():
+                break
+            tokens = torch.cat([tokens, following[:, None]], dim=1)
+    return out

@@ -136,14 +136,15 @@ def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds
     tmp_path, log_every, checkpoint_every, left
 ):
     # on_nonfinite=raise checks no step on its own (no host sync per step): before each log row
-    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step).
+    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step). Two ranks
+    # that train.py starts itself (forked: one interpreter, not torchrun's three).
     proc = run_train(
         tmp_path,
         *TINY_CNN,
         f"trainer.log_every={log_every}",
         f"checkpoint.every={checkpoint_every}",
         *faulty("nan", 5, 1, tmp_path / "m"),
-        nproc=2,
+        "parallel.nproc_per_node=2",
         check=False,
         timeout=180,
     )

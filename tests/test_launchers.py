@@ -109,6 +109,7 @@ def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path):
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     run_dirs = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
     assert len(run_dirs) == 1, run_dirs  # both nodes in one dir
+    assert list(tmp_path.glob("*/*")) == run_dirs  # (rank 1 writes no metrics; nor does its Hydra make another)
     assert rows(run_dirs[0])[-1]["step"] == 2
     assert (run_dirs[0] / "model.pt").is_file()
     assert "ddp x2" in "".join(outputs)

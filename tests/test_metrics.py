@@ -29,12 +29,8 @@ def test_wandb_mode(monkeypatch, tmp_path, env, netrc, expected):
 
 
 @pytest.mark.slow
-def test_wandb_run_offline_with_the_nested_config(tmp_path, monkeypatch):
-    # In this process (what train.py runs after composing), without credentials, as run_train's
-    # environment has none; the sweep below runs the command line.
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    run_in_process(tmp_path, "logger=wandb", "trainer.max_steps=3", "trainer.log_every=1")
+def test_wandb_run_offline_with_the_nested_config(tmp_path):
+    run_train(tmp_path, "logger=wandb", "trainer.max_steps=3", "trainer.log_every=1")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     wandb_file = next(runs[0].glob("*.wandb"))

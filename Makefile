@@ -1,4 +1,5 @@
 # make train: set up .venv from pyproject.toml and run the default job. make test: set up and test.
+# (make test prints its 15 slowest tests; ARGS add to or override pytest's options, e.g. ARGS="-m 'not slow'".)
 # make lint: ruff (lint + format check) and mypy, as CI runs them. make format: apply ruff's fixes.
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ train: $(VENV)/.installed
 	$(PY) src/train.py $(ARGS)
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest --durations=15 $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

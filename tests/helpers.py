@@ -12,8 +12,11 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,9 +214,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def _env():
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", PYTHONPATH=str(ROOT / "tests")
-    )  # so model._target_=helpers.faulty_mlp resolves
+    # PYTHONPATH: tests/ so that model._target_=helpers.faulty_model resolves; src/ so that a process that
+    # does not start from src/train.py (a submitit task) imports this tree's trainkit, not the one an
+    # editable install points to (a venv shared between worktrees).
+    pythonpath = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0", PYTHONPATH=pythonpath)
     env.pop("WANDB_API_KEY", None)
     return env
 
@@ -237,6 +242,14 @@ def run_train(
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def together(*runs: Callable[[], Any]) -> list[Any]:
+    """Call a few independent runs at once (e.g. `lambda: run_train(...)`, each a process of its own) and
+    return their results in order: their interpreters start side by side on the machine's cores."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(run) for run in runs]
+        return [future.result() for future in futures]
 
 
 def assert_equal(a, b, where: str):

@@ -4,6 +4,7 @@ non-finite losses handled on all ranks together, and a hung peer ending the job.
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, assert_equal, faulty, run_in_process, run_train
+from helpers import ROOT, assert_equal, faulty, run_in_process, run_train, together
 from helpers import rows as metrics_rows
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model
@@ -41,29 +42,29 @@ def test_single_process_killed_after_step_10_resumes_bitwise(tmp_path):
     marker = tmp_path / "killed"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     marker.with_name("never").touch()
-    run_train(straight, *RUN, *faulty("kill", 31, 0, marker.with_name("never")))
+    # The uninterrupted run and the resume in this process (what train.py runs after Hydra composed the
+    # config); the crash in a process of its own, which SIGKILL ends.
+    run_in_process(straight, *RUN, *faulty("kill", 31, 0, marker.with_name("never")))
     # The 31st micro-step is step 11's first: the process dies (SIGKILL) after checkpoint 10.
     proc = run_train(crashed, *RUN, *faulty("kill", 31, 0, marker), check=False)
     assert proc.returncode == -9 and marker.exists()
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_00000010.pt"]
-    proc = run_train(crashed, *RUN, *faulty("kill", 31, 0, marker))  # a new process, resume=auto
-    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    out = run_in_process(crashed, *RUN, *faulty("kill", 31, 0, marker))  # resume=auto, nothing of the first
+    assert "resumed from" in out and "at step 10" in out  # process left but its run dir
     assert_same_run(straight, crashed)
 
 
 @pytest.mark.slow
-def test_torchrun_restart_after_a_killed_worker_resumes_bitwise(tmp_path):
+def test_torchrun_restart_after_a_killed_worker_resumes_bitwise(crash_run_two_ranks, tmp_path):
     marker = tmp_path / "killed"
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    marker.with_name("never").touch()
-    run_train(straight, *RUN, *faulty("kill", 31, 1, marker.with_name("never")), nproc=2)
+    crashed = tmp_path / "crashed"
     # Rank 1 is SIGKILLed in step 11; torchrun's elastic agent restarts both workers, which find
-    # the run dir's checkpoint 10 by themselves and finish the job.
+    # the run dir's checkpoint 10 by themselves and finish the job. conftest.py: the uninterrupted run.
     proc = run_train(crashed, *RUN, *faulty("kill", 31, 1, marker), nproc=2, torchrun=("--max-restarts=1",))
     assert marker.exists() and "resumed from" in proc.stdout
     restart_cost = marker.with_suffix(".resumed").stat().st_mtime - marker.stat().st_mtime
     print(f"restart cost (SIGKILL to the first resumed step): {restart_cost:.1f} s")
-    assert_same_run(straight, crashed)
+    assert_same_run(crash_run_two_ranks, crashed)
 
 
 def compose_cfg(*overrides):
@@ -135,14 +136,15 @@ def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds
     tmp_path, log_every, checkpoint_every, left
 ):
     # on_nonfinite=raise checks no step on its own (no host sync per step): before each log row
-    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step).
+    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step). Two ranks
+    # that train.py starts itself (forked: one interpreter, not torchrun's three).
     proc = run_train(
         tmp_path,
         *TINY_CNN,
         f"trainer.log_every={log_every}",
         f"checkpoint.every={checkpoint_every}",
         *faulty("nan", 5, 1, tmp_path / "m"),
-        nproc=2,
+        "parallel.nproc_per_node=2",
         check=False,
         timeout=180,
     )
@@ -271,7 +273,7 @@ def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
     run_in_process(tmp_path, "trainer.max_steps=5", "model.width=16")  # the finished run; then the CLI refuses
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     mtimes = {p: p.stat().st_mtime_ns for p in before}
-    for overrides, message in [
+    refusals = [
         (
             ["model.width=64"],
             "checkpoint.resume: the checkpoint was written with model.width=16, this run has "
@@ -282,8 +284,11 @@ def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
             f"hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
             "resume it with checkpoint.resume=auto, or choose another hydra.run.dir",
         ),
-    ]:
-        proc = run_train(tmp_path, "trainer.max_steps=5", "model.width=16", *overrides, check=False)
+    ]
+    procs = together(
+        *(partial(run_train, tmp_path, "trainer.max_steps=5", "model.width=16", *o, check=False) for o, _ in refusals)
+    )
+    for proc, (_, message) in zip(procs, refusals, strict=True):
         assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before and {p: p.stat().st_mtime_ns for p in after} == mtimes

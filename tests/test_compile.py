@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import max_diff, run_train, weights
+from helpers import max_diff, run_in_process, run_train, weights
 
-STEPS = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=6", "optim=sgd"]  # SGD: tests/helpers.py
-TWO_RANKS_K2 = ["data.batch_size=8", "accumulation.steps=2"]  # the global batch 32 of one process at b=32
+STEPS = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=6", "optim=sgd"]  # SGD: docs/testing.md
+# The global batch 32 of the eager run (one process at b=32), in micro-batches of 8 everywhere: the graphs
+# the one-process run compiles are those of each DDP rank (inductor's cache on disk serves them again).
+ONE_PROCESS_K4 = ["data.batch_size=8", "accumulation.steps=4"]
+TWO_RANKS_K2 = ["data.batch_size=8", "accumulation.steps=2"]
 # inductor fuses elementwise ops and reorders reductions: the same maths, other float roundings.
 # Measured after 6 SGD steps: 7.5e-9 in one process, under DDP and under FSDP; 1e-5 is 1000x that.
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -25,7 +28,7 @@ def syncs(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("eager")
-    run_train(run_dir, *STEPS)
+    run_in_process(run_dir, *STEPS)
     return run_dir
 
 
@@ -33,8 +36,10 @@ def eager(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["single", "ddp", "fsdp"])
 def test_compiled_training_equals_eager_within_rounding(eager, tmp_path, mode, monkeypatch):
     monkeypatch.setitem(os.environ, "TORCH_LOGS", "graph_code")  # dynamo prints each graph it compiles
-    extra = [] if mode == "single" else [f"parallel={mode}", *TWO_RANKS_K2]
-    proc = run_train(tmp_path, *STEPS, "trainer.compile=true", *extra, nproc=1 if mode == "single" else 2)
+    # A process of its own (compiling here would leave inductor's state in the process later tests fork);
+    # two ranks as workers train.py starts itself: forked, with torch already imported.
+    extra = ONE_PROCESS_K4 if mode == "single" else [f"parallel={mode}", "parallel.nproc_per_node=2", *TWO_RANKS_K2]
+    proc = run_train(tmp_path, *STEPS, "trainer.compile=true", *extra)
     assert "TRACED GRAPH" in proc.stderr  # compiled, not silently eager
     got, expected = weights(tmp_path), weights(eager)
     assert got.keys() == expected.keys()  # compiled in place: no _orig_mod. prefix

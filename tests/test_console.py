@@ -11,7 +11,7 @@ import termios
 
 import pytest
 
-from helpers import ROOT, _env, run_train
+from helpers import ROOT, _env, run_train, together
 
 
 def run_on_a_terminal(*overrides: str) -> str:
@@ -37,16 +37,23 @@ def run_on_a_terminal(*overrides: str) -> str:
 @pytest.mark.slow
 def test_a_terminal_gets_a_progress_bar_and_a_log_file_the_lines_only(tmp_path):
     steps = ["trainer.max_steps=6", "trainer.log_every=3"]
-    shown = run_on_a_terminal(f"hydra.run.dir={tmp_path / 'tty'}", *steps)
+    shown, piped = together(
+        lambda: run_on_a_terminal(f"hydra.run.dir={tmp_path / 'tty'}", *steps),
+        lambda: run_train(tmp_path / "pipe", *steps),  # stdout a pipe: a batch job's log
+    )
     assert "6/6 [" in shown and "loss=" in shown and "lr=" in shown and "samples_s=" in shown  # tqdm's bar
     assert "step     3/6 | epoch 0 | loss" in shown and "done: 6 steps" in shown  # the lines, above it
-    logged = run_train(tmp_path / "pipe", *steps).stdout  # stdout a pipe: a batch job's log
+    logged = piped.stdout
     assert "\r" not in logged and "6/6 [" not in logged
     assert logged.count("step     3/6 | epoch 0 | loss") == 1 and "done: 6 steps" in logged
 
 
 @pytest.mark.slow
-def test_two_ranks_print_every_line_and_warning_once(tmp_path):
-    proc = run_train(tmp_path, "parallel=ddp", "model._target_=helpers.warning_mlp", "trainer.max_steps=2", nproc=2)
+def test_two_ranks_print_every_line_and_warning_once(torchrun_sweep):
+    # conftest.py: `torchrun --nproc_per_node=2 src/train.py -m parallel=ddp trainer.max_steps=2,3` with a
+    # model that warns on both ranks. Rank 0's warning shows once (Python's default filter: once per
+    # place in a process, here for both jobs); rank 1's never.
+    proc, _ = torchrun_sweep
     assert proc.stderr.count("UserWarning: helpers.warning_mlp") == 1
-    assert proc.stdout.count("done: 2 steps") == 1 and proc.stdout.count("trainkit | ddp x2") == 1
+    assert proc.stdout.count("done: 2 steps") == 1 and proc.stdout.count("done: 3 steps") == 1
+    assert proc.stdout.count("trainkit | ddp x2") == 2  # one per job

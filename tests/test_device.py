@@ -6,12 +6,13 @@ What needs a real GPU (set_device, NCCL, torch's SyncBN, bf16 FSDP) runs in scri
 
 import io
 import random
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import run_train
+from helpers import run_train, together
 from trainkit import dist
 from trainkit.config import ConfigError
 from trainkit.data import InMemory, TrainLoader, eval_loader
@@ -187,9 +188,14 @@ def test_a_bad_or_unavailable_device_is_one_line_exit_2_and_no_run_dir(tmp_path)
             "trainer.device=cuda: no CUDA device is visible (torch.cuda.is_available() is false); "
             "use trainer.device=cpu or auto"
         )
-    for spec, message in cases.items():
+    procs = together(
+        *(
+            partial(run_train, tmp_path / spec, f"trainer.device={spec}", "trainer.max_steps=2", check=False)
+            for spec in cases
+        )
+    )
+    for proc, (spec, message) in zip(procs, cases.items(), strict=True):
         run_dir = tmp_path / spec
-        proc = run_train(run_dir, f"trainer.device={spec}", "trainer.max_steps=2", check=False)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().splitlines() == [f"error: {message}"], proc.stderr
         assert not run_dir.exists()

@@ -92,14 +92,26 @@ def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root
     assert config.accumulation_steps(cfg, 1) >= 1
 
 
+@pytest.fixture(scope="module")
+def accumulation_sweep(tmp_path_factory, cifar_root) -> tuple[str, Path]:
+    """`torchrun --nproc_per_node=2 src/train.py +experiment=accumulation_sweep`, 2 steps a job: its
+    stdout and sweep dir, for the two tests below."""
+    tmp = tmp_path_factory.mktemp("accumulation_sweep")
+    overrides = ["+experiment=accumulation_sweep", *small("digits", cifar_root), f"hydra.sweep.dir={tmp / 'sweep'}"]
+    return run_train(tmp / "unused", *overrides, nproc=2).stdout, tmp / "sweep"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path):
+def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request):
     cfg = compose_experiment(name)
     nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
-    if "mode: MULTIRUN" in (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text():
+    if name == "accumulation_sweep":  # its sweep under torchrun, which the next test reads too
+        nproc = 2
+        stdout, sweep = request.getfixturevalue("accumulation_sweep")
+    elif "mode: MULTIRUN" in (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text():
         stdout = run_train(tmp_path / "run", *overrides, nproc=nproc).stdout  # a sweep: Hydra's launcher
     else:  # one run: what train.py runs after composing, in process or in forked ranks under torchrun's environment
         stdout = run_in_process(tmp_path / "run", *overrides, nproc=nproc)
@@ -113,17 +125,10 @@ def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_accumulation_sweep_runs_k_1_2_4_8_at_one_global_batch_without_dash_m(tmp_path):
+def test_accumulation_sweep_runs_k_1_2_4_8_at_one_global_batch_without_dash_m(accumulation_sweep):
     # Two ranks: the per-device batch divides by the world size too (${world_size:}).
-    sweep = tmp_path / "sweep"
-    proc = run_train(
-        tmp_path / "unused",
-        "+experiment=accumulation_sweep",
-        "trainer.max_steps=2",
-        f"hydra.sweep.dir={sweep}",
-        nproc=2,
-    )
-    layouts = re.findall(r"global batch (\d+) = 2 ranks x (\d+) micro-batch x (\d+) accumulation", proc.stdout)
+    stdout, sweep = accumulation_sweep
+    layouts = re.findall(r"global batch (\d+) = 2 ranks x (\d+) micro-batch x (\d+) accumulation", stdout)
     assert [tuple(map(int, t)) for t in layouts] == [(32, 16, 1), (32, 8, 2), (32, 4, 4), (32, 2, 8)]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     for job, steps in enumerate((1, 2, 4, 8)):

@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, _env, compose_cfg, faulty, max_diff, rows, run_in_process, run_train, weights
+from helpers import ROOT, _env, compose_cfg, faulty, max_diff, rows, run_train, weights
 from trainkit import config
 from trainkit.config import ConfigError
 
@@ -59,11 +59,10 @@ def ended(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def torchrun_run(tmp_path_factory) -> Path:
-    """The uninterrupted run in torchrun's environment (2 forked ranks, tests/helpers.py)."""
-    tmp = tmp_path_factory.mktemp("torchrun")
-    run_in_process(tmp / "run", *RUN, *faulty("kill", 31, 1, never(tmp)), nproc=2)
-    return tmp / "run"
+def torchrun_run(crash_run_two_ranks) -> Path:
+    """The uninterrupted run in torchrun's environment (2 forked ranks, tests/helpers.py; conftest.py
+    runs it once for this file and test_checkpoint.py)."""
+    return crash_run_two_ranks
 
 
 def never(directory: Path) -> Path:
@@ -140,12 +139,9 @@ def test_a_job_trained_here_with_two_threads_then_forked_workers_do_not_hang(tmp
 
 @pytest.mark.slow
 def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_and_leaves_no_process(tmp_path):
-    # Two self-launched jobs at once on this machine: each rendezvous has a free port of its own.
+    # Two self-launched jobs at once on this machine: each rendezvous has a free port of its own. Started
+    # together (their start-ups overlap, and so may their rendezvous); `long` outlives `raises`.
     long = start_train(tmp_path / "long", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")
-    assert long.stdout is not None
-    while not long.stdout.readline().startswith("step"):  # its workers train
-        assert long.poll() is None
-
     raises = start_train(
         tmp_path / "raises", "parallel.nproc_per_node=2", *TINY, *faulty("raise", 3, 1, "/none", "mlp")
     )
@@ -157,6 +153,9 @@ def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_
     assert "Traceback" in error_file.read_text()  # torch's error file (record) keeps the worker's traceback
     shutil.rmtree(error_file.parents[3])  # the launch's log dir, kept for it
 
+    assert long.stdout is not None
+    while not long.stdout.readline().startswith("step"):  # its workers train
+        assert long.poll() is None
     assert long.poll() is None
     long.send_signal(signal.SIGTERM)
     out, err = ended(long, timeout=60)

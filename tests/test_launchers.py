@@ -40,21 +40,7 @@ def run_submitit(
 
 
 @pytest.mark.slow
-def test_submitit_local_runs_one_ddp_job_of_two_tasks_into_one_job_dir(tmp_path):
-    run_submitit(tmp_path, "parallel=ddp", "accumulation.steps=2")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".submitit", "0", "multirun.yaml"]
-    train_rows = [r for r in rows(tmp_path / "0") if "loss" in r]
-    assert train_rows[-1]["step"] == 2
-    assert all(r["comm/grad_syncs"] == 1.0 for r in train_rows)  # no_sync over K=2: one sync per step
-    assert (tmp_path / "0" / "model.pt").is_file()
-    # Ranks and world size came from submitit's environment: rank 0 reports 2 ranks, rank 1 is quiet.
-    assert "ddp x2" in submitit_logs(tmp_path, 0)
-    assert "global batch 32 = 2 ranks x 8 micro-batch x 2 accumulation" in submitit_logs(tmp_path, 0)
-    assert "trainkit |" not in submitit_logs(tmp_path, 1)
-
-
-@pytest.mark.slow
-def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group(tmp_path):
+def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group_of_two_tasks_into_its_job_dir(tmp_path):
     # parallel=auto picks ddp under submitit; the two jobs run at once, each on a port of its own.
     # The default ${run_stamp:} dir: each task composes its job's config anew, from the launching
     # process's resolved values, so the jobs land in the sweep dir that holds .submitit/.
@@ -71,6 +57,7 @@ def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group(tmp_path):
     )
     [sweep] = [p.parent for p in tmp_path.glob("*/*/multirun.yaml")]
     assert sorted(p.name for p in sweep.parent.iterdir()) == [sweep.name]  # one stamp dir
+    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "1", "multirun.yaml"]  # a dir a job
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error")] == [
@@ -79,16 +66,21 @@ def test_a_submitit_sweep_runs_each_job_as_its_own_ddp_group(tmp_path):
         "K x world size = 3 x 2"
     ]
     assert rows(sweep / "0")[-1]["step"] == 2 and (sweep / "0" / "model.pt").is_file()
+    train_rows = [r for r in rows(sweep / "0") if "loss" in r]
+    assert train_rows[-1]["step"] == 2
+    assert all(r["comm/grad_syncs"] == 1.0 for r in train_rows)  # no_sync over K=4: one sync per step
+    # Ranks and world size came from submitit's environment: rank 0 reports 2 ranks, rank 1 is quiet.
     assert "global batch 32 = 2 ranks x 4 micro-batch x 4 accumulation" in submitit_logs(sweep, 0)
     assert submitit_logs(sweep, 0).count("ddp x2") == 1
+    assert "trainkit |" not in submitit_logs(sweep, 1)
     assert (sweep / "1" / "error.txt").is_file() and not (sweep / "1" / "model.pt").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run_dir", ["given", "stamped"])
-def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path, run_dir):
-    # "stamped": the default ${run_stamp:} dir, agreed through the agents' shared store.
-    base = tmp_path / "run" if run_dir == "given" else f"{tmp_path}/${{run_stamp:}}"
+def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path):
+    # The default ${run_stamp:} dir, agreed through the agents' shared store: each node composes it
+    # apart (a run dir given in full needs no agreement; it is the same string on both).
+    base = f"{tmp_path}/${{run_stamp:}}"
     port, rdzv_id = _free_port(), uuid.uuid4().hex
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"),
@@ -117,6 +109,7 @@ def test_two_torchrun_agents_train_as_two_nodes_into_one_run_dir(tmp_path, run_d
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     run_dirs = [p.parent for p in tmp_path.rglob("metrics.jsonl")]
     assert len(run_dirs) == 1, run_dirs  # both nodes in one dir
+    assert list(tmp_path.glob("*/*")) == run_dirs  # (rank 1 writes no metrics; nor does its Hydra make another)
     assert rows(run_dirs[0])[-1]["step"] == 2
     assert (run_dirs[0] / "model.pt").is_file()
     assert "ddp x2" in "".join(outputs)

@@ -1,0 +1,30 @@
+"""Runs that tests in several files read: each one runs once a session, when a test first asks for it
+(tests that prove different things about the same run share it instead of training it again)."""
+
+from pathlib import Path
+
+import pytest
+
+from helpers import CRASH_RUN, faulty, run_in_process, run_train
+
+
+@pytest.fixture(scope="session")
+def crash_run_two_ranks(tmp_path_factory) -> Path:
+    """helpers.CRASH_RUN uninterrupted on 2 ranks in torchrun's environment (forked ranks of this process):
+    what a killed and restarted run must equal, under torchrun (test_checkpoint.py) and self-launched
+    (test_launch.py). Its model is Faulty with a kill marker that exists: it never kills."""
+    tmp = tmp_path_factory.mktemp("crash_run_two_ranks")
+    (tmp / "never").touch()
+    run_in_process(tmp / "run", *CRASH_RUN, *faulty("kill", 31, 1, tmp / "never"), nproc=2)
+    return tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def torchrun_sweep(tmp_path_factory):
+    """`torchrun --nproc_per_node=2 src/train.py -m trainer.max_steps=2,3` with a model that raises a
+    Python warning on every rank as it is built: (the finished process, its sweep dir). What a sweep under
+    torchrun writes (test_train.py) and what two ranks print (test_console.py)."""
+    tmp = tmp_path_factory.mktemp("torchrun_sweep")
+    overrides = ["parallel=ddp", "model._target_=helpers.warning_mlp", "trainer.max_steps=2,3"]
+    proc = run_train(tmp / "unused", "-m", f"hydra.sweep.dir={tmp / 'sweep'}", *overrides, nproc=2)
+    return proc, tmp / "sweep"

@@ -41,11 +41,14 @@ median and quartiles over the rounds; trainkit's no_sync against its own sync_ea
 way, and that over the hand-written loop's (own_vs_hand_written). --pin puts rank r on core r.
 
 What holds on a 2-core machine shared with other jobs (mlp, 2 ranks): wall-clock rounds ranged
-0.62-2.03 at load 6-8, CPU-time rounds 1.25-1.60. The CPU-time speedup still follows the load
-(1.30, 1.41, 1.51 at load 5.5, 4.2, 2-3: the memory-bound compute slows more under contention than
-the all-reduce), while trainkit's against the hand-written loop's, from the same run, read 0.96, 0.96
-(one warm-up step) and 0.99 (two). Pinning (--pin) made rounds 4x longer under load: a pinned rank
-cannot leave a busy core.
+0.62-2.03 at load 6-8, CPU-time rounds 1.34-1.69. Two runs with these defaults (load 2-4) gave
+trainkit's no_sync / sync_each_batch 1.512 and 1.479, the hand-written loop's 1.522 and 1.468, and
+trainkit's over the hand-written loop's 0.994 and 1.008. The CPU-time speedup still follows the load
+(1.30 and 1.41 at load 5.5 and 4.2, one warm-up step, 4 timed): under contention the memory-bound
+compute slows more than the all-reduce; the within-run comparison is what holds. Pinning (--pin)
+made rounds 4x longer under load: a pinned rank cannot leave a busy core. The gpt variants of
+trainkit also load their data per step (the addition problems are encoded and padded per sample,
+~6 ms of a ~25 ms step), which the hand-written variants' pre-built micro-batches skip.
 
 One thread per rank (torch.set_num_threads(1)). Prints markdown tables (median seconds per
 micro-batch over the rounds, min-max, ratio to baseline, speedup, gradient syncs per optimizer step)

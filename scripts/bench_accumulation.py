@@ -41,9 +41,9 @@ median and quartiles over the rounds; trainkit's no_sync against its own sync_ea
 way, and that over the hand-written loop's (own_vs_hand_written). --pin puts rank r on core r.
 
 What holds on a 2-core machine shared with other jobs (mlp, 2 ranks): wall-clock rounds ranged
-0.62-2.03 at load 6-8, CPU-time rounds 1.34-1.69. Two runs with these defaults (load 2-4) gave
-trainkit's no_sync / sync_each_batch 1.512 and 1.479, the hand-written loop's 1.522 and 1.468, and
-trainkit's over the hand-written loop's 0.994 and 1.008. The CPU-time speedup still follows the load
+0.62-2.03 at load 6-8, CPU-time rounds 1.34-1.69. Three runs with these defaults (load 2-4.5) gave
+trainkit's no_sync / sync_each_batch 1.512, 1.479, 1.454, the hand-written loop's 1.522, 1.468, 1.457,
+and trainkit's over the hand-written loop's 0.994, 1.008, 0.998. The CPU-time speedup follows the load
 (1.30 and 1.41 at load 5.5 and 4.2, one warm-up step, 4 timed): under contention the memory-bound
 compute slows more than the all-reduce; the within-run comparison is what holds. Pinning (--pin)
 made rounds 4x longer under load: a pinned rank cannot leave a busy core. The gpt variants of

@@ -1,7 +1,8 @@
 """Training throughput: trainkit's loop (src/train.py's train()) against a plain PyTorch loop,
 side by side in one process, on the same model, data, optimizer, clipping and precision.
 
-    .venv/bin/python scripts/bench_train.py [--blocks 12] [--steps 80] [--threads 1] [overrides ...]
+    .venv/bin/python scripts/bench_train.py [--blocks 20] [--steps 400] [--warmup-blocks 1] [--clock cpu]
+        [--threads 1] [--pin] [--verbose] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
     ... +experiment=pydoc_gpt: the character GPT on CPython's documentation (task=lm)
     ... --compile model=cnn: also trainkit with trainer.compile=true (timed after its first half:
@@ -12,24 +13,33 @@ side by side in one process, on the same model, data, optimizer, clipping and pr
 A figure that holds on a shared machine: the two loops alternate in short blocks (--steps each,
 plain first in even blocks, trainkit first in odd ones), each timed over the second half of its
 block only (steady state: start-up, the first steps, the final evaluation and checkpoint are left
-out), in one process with the same threads. Load that comes and goes then hits both alike; the
-figure is the median of the blocks' ratios, with their quartiles. One intra-op thread by default
-(--threads): on a shared machine, OpenMP threads that wait on each other made single blocks 10x
-slower or faster (a range of 0.13-28.9 with 2 threads under load, 0.96-1.04 with one).
+out), in one process with the same threads; the first --warmup-blocks pairs are run and dropped. The
+figure is the median of the blocks' ratios, with their quartiles. Both loops are timed by the
+process's CPU time by default (--clock cpu: time.process_time, for trainkit through its own meter,
+whose samples_per_s then counts CPU seconds): on a 2-core machine shared with 5 other jobs (load
+5-8) wall-clock blocks ranged 0.58-1.38 around the same median, CPU-time blocks 1.01-1.22, and five
+runs of 20 blocks gave medians 1.07-1.10 on the default job. --clock wall is what a quiet machine
+shows. One intra-op thread by default (--threads): on a shared machine, OpenMP threads that wait on
+each other made single blocks 10x slower or faster (a range of 0.13-28.9 with 2 threads under load,
+0.96-1.04 with one). With one thread per process and no loader workers, CPU time is the loop's own
+work; under torchrun it leaves out the time a rank waits on the other's all-reduce.
 
 trainkit's time is its last metrics row (log_every = steps / 2). What the ratio shows is what
 trainkit adds per step: the sampler without padding, the per-sample seeds (for a data set that
-draws only), the metrics sums and the exact loss normalisation.
+draws only), the metrics sums and the exact loss normalisation; the plain loop's DataLoader (trainkit
+indexes an in-memory data set itself) is why trainkit comes out ahead on the small models.
 """
 
 import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -42,8 +52,22 @@ from torch.utils.data import DataLoader, DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import config, dist, optim, schedules  # noqa: E402
+from trainkit import config, dist, metrics, optim, schedules  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter  # what both loops are timed by (--clock)
+
+
+@contextlib.contextmanager
+def trainkit_clock():
+    """train()'s meter (trainkit.metrics) times its rows by the benchmark's clock."""
+    saved = metrics.time
+    metrics.time = types.SimpleNamespace(perf_counter=clock)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        metrics.time = saved
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
@@ -71,7 +95,7 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
         if step == steps // 2:
             if d.device.type == "cuda":
                 torch.cuda.synchronize()
-            samples, started = 0, time.perf_counter()
+            samples, started = 0, clock()
         for k in range(K):
             try:
                 x, y = next(batches)
@@ -93,14 +117,15 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
         optimizer.zero_grad(set_to_none=True)
     if d.device.type == "cuda":
         torch.cuda.synchronize()
-    return samples / (time.perf_counter() - started)
+    return samples / (clock() - started)
 
 
 def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
     """train() itself; its last row's samples/s (all ranks), read back from rank 0's metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(d.gather_object(tmp)[0])  # rank 0's dir: it alone writes metrics.jsonl
-        train(cfg, d, "ddp" if d.distributed else "single", run_dir)
+        with trainkit_clock():
+            train(cfg, d, "ddp" if d.distributed else "single", run_dir)
         rate = 0.0
         if d.is_main:
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -111,10 +136,16 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=12, help="alternations of the two loops")
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per loop and block")
+    parser.add_argument("--blocks", type=int, default=20, help="alternations of the two loops that count")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per loop and block")
+    parser.add_argument("--warmup-blocks", type=int, default=1, help="alternations run first and dropped")
     parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true, once")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for both loops (default 1)")
+    parser.add_argument(
+        "--clock", choices=["auto", *CLOCKS], default="auto", help="process CPU time or wall time; auto: cpu on a CPU"
+    )
+    parser.add_argument("--pin", action="store_true", help="each process on one core (rank r on core r)")
+    parser.add_argument("--verbose", action="store_true", help="print every block's rates")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -130,23 +161,39 @@ def main() -> None:
         )
     torch.set_num_threads(args.threads)
     d = dist.init("auto", cfg.trainer.device)
+    global clock
+    args.clock = args.clock if args.clock != "auto" else "cpu" if d.device.type == "cpu" else "wall"
+    clock = CLOCKS[args.clock]  # on a GPU the host's CPU time is not the step's time
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[d.local_rank % len(cores)]})
     d.print0(
         f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
         f"{d.device}, {torch.get_num_threads()} threads, {d.world_size} rank(s), "
-        f"K={config.accumulation_steps(cfg, d.world_size)}; {args.blocks} blocks of {args.steps} steps "
-        "each, timed over their second half"
+        f"K={config.accumulation_steps(cfg, d.world_size)}; {args.warmup_blocks} + {args.blocks} blocks of "
+        f"{args.steps} steps each, timed over their second half by {args.clock} time"
     )
     loops = {"plain": lambda: plain_loop(cfg, d, args.steps), "trainkit": lambda: trainkit_loop(cfg, d, args.steps)}
     rates: dict[str, list[float]] = {"plain": [], "trainkit": []}
-    for block in range(args.blocks):
+    for block in range(args.warmup_blocks + args.blocks):
         for name in sorted(loops, reverse=block % 2 == 1):  # plain first, then trainkit first: drift cancels
-            rates[name].append(loops[name]())
+            rate = loops[name]()
+            if block >= args.warmup_blocks:
+                rates[name].append(rate)
+        if args.verbose and block >= args.warmup_blocks:
+            d.print0(
+                f"block {block}: plain {rates['plain'][-1]:.0f} trainkit {rates['trainkit'][-1]:.0f} "
+                f"ratio {rates['trainkit'][-1] / rates['plain'][-1]:.3f}"
+            )
     ratios = [ours / plain for ours, plain in zip(rates["trainkit"], rates["plain"], strict=True)]
     for name, values in rates.items():
-        d.print0(f"{name:<12} {statistics.median(values):>10,.0f} samples/s (median of {len(values)} blocks)")
+        d.print0(
+            f"{name:<12} {statistics.median(values):>10,.0f} samples/s of {args.clock} time "
+            f"(median of {len(values)} blocks)"
+        )
     low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     d.print0(
-        f"ratio trainkit / plain: {statistics.median(ratios):.2f} (median of {len(ratios)} blocks; "
+        f"ratio trainkit / plain: {statistics.median(ratios):.3f} (median of {len(ratios)} blocks; "
         f"quartiles {low:.2f}-{high:.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
     )
     if args.compile:

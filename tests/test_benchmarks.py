@@ -29,7 +29,8 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
     assert K > 1
     # Per optimizer step: plain DDP syncs every micro-batch; no_sync() around backward only still
     # syncs every micro-batch (DDP armed its reducer in forward); around forward and backward once.
-    expected = {"baseline": K, "no_sync_backward_only": K, "no_sync": 1, "trainkit": 1}
+    # trainkit's own loop: accumulation=sync_each_batch syncs K times, no_sync once.
+    expected = {"baseline": K, "no_sync_backward_only": K, "no_sync": 1, "trainkit_sync_each_batch": K, "trainkit": 1}
     for model in models:
         summary = result["summary"][model]
         assert set(summary) == set(expected)
@@ -37,6 +38,8 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
             assert summary[variant]["syncs_per_step"] == syncs, (model, variant, summary[variant])
             assert summary[variant]["median"] > 0
         assert f"| {model} |" in proc.stdout
+        assert f"no_sync / sync every micro-batch, {model} (samples/s): hand-written DDP loop" in proc.stdout
+        assert summary["trainkit"]["speedup_over_own"]["median"] > 0
     rows = result["rows"]
     assert {(r["model"], r["variant"]) for r in rows} == {(m, v) for m in models for v in expected} | {
         ("mlp", "one_process")
@@ -51,7 +54,7 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_bench_train_runs_both_loops_single_and_ddp(launcher):
     """A quick run of each: both loops train and the ratio is printed (its value means nothing here)."""
-    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "data.batch_size=8"]
+    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "--warmup-blocks", "0", "data.batch_size=8"]
     if launcher == "torchrun":
         script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
     proc = run_script(*script)

@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, _env, compose_cfg, faulty, max_diff, rows, run_train, weights
+from helpers import ROOT, _env, compose_cfg, faulty, max_diff, rows, run_in_process, run_train, weights
 from trainkit import config
 from trainkit.config import ConfigError
 

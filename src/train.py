@@ -15,19 +15,9 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, launch, optim, schedules
+from trainkit import checkpoint, config, dist, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
-from trainkit.checkpoint import (
-    Checkpointer,
-    changes,
-    check_compatible,
-    full_state_dict,
-    restore,
-    run_identity,
-    run_settings,
-    snapshot,
-)
 from trainkit.data import TrainLoader
 from trainkit.errors import ConfigError, RankError, user_error
 from trainkit.evaluate import evaluate
@@ -108,29 +98,29 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
-    checkpointer = Checkpointer(
+    checkpointer = checkpoint.Checkpointer(
         run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
     )  # FSDP: each rank writes its shards (DCP)
-    identity = run_identity(cfg, layout.global_batch, train_set)  # what a resume must not change
-    settings = run_settings(cfg)  # what a resume may change
+    identity = checkpoint.run_identity(cfg, layout.global_batch, train_set)  # what a resume must not change
+    settings = checkpoint.run_settings(cfg)  # what a resume may change
     start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
     if resumed:
-        check_compatible(resumed["identity"], identity)
+        checkpoint.check_compatible(resumed["identity"], identity)
         if resumed["progress"]["step"] > total_steps:
             d.print0(
                 f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
                 f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is"
             )
             return None
-        restore(resumed, *stateful, d)
+        checkpoint.restore(resumed, *stateful, d)
         auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
         val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
         layout, loader = data_for(auto.batch_size, auto.K)
         start = resumed["progress"]
         d.print0(f"resumed from {resumed['path']} at step {start['step']}")
-        if changed := changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
+        if changed := checkpoint.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
             d.print0(f"resume: applying the changed settings {', '.join(changed)}")
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
@@ -239,7 +229,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if save_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = snapshot(*stateful, progress, identity, settings, logger.run_id, d)
+                        state = checkpoint.snapshot(*stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
                         checkpointer.save(step, state | {"autobatch": auto_state})
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
@@ -247,7 +237,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_batches, d, autocast, task)
         val_batches.check()
-    final = full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
+    final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
         torch.save(final, run_dir / "model.pt")
     summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"

@@ -1,9 +1,12 @@
 # make train: set up .venv from pyproject.toml and run the default job. make test: set up and test.
-# (make test prints its 15 slowest tests; ARGS add to or override pytest's options, e.g. ARGS="-m 'not slow'".)
+# (make test runs the test files on TEST_WORKERS pytest-xdist workers, 2 by default: a test waits on its processes'
+# start-up and rendezvous much of the time, so two at once fill two cores; TEST_WORKERS=0 runs them one by one.
+# It prints the 15 slowest tests; ARGS add to or override pytest's options, e.g. ARGS="-m 'not slow'".)
 # make lint: ruff (lint + format check) and mypy, as CI runs them. make format: apply ruff's fixes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+TEST_WORKERS ?= 2
 
 .PHONY: train test lint format clean
 
@@ -16,7 +19,7 @@ train: $(VENV)/.installed
 	$(PY) src/train.py $(ARGS)
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest --durations=15 $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -68,7 +68,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -243,24 +242,12 @@ def timed_rows(rows: list[dict], warmup: int, samples_per_micro_batch: int) -> t
     return times, syncs / steps
 
 
-@contextlib.contextmanager
-def meter_clock(clock):
-    """train()'s meter (trainkit.metrics) times its rows by `clock`: its samples_per_s per CPU
-    second with --clock cpu."""
-    saved = metrics.time
-    metrics.time = types.SimpleNamespace(perf_counter=clock)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        metrics.time = saved
-
-
 def trainkit_loop(cfg, d: Dist, warmup: int, clock: str) -> dict | None:
     """Variants 4-5: src/train.py's train() in a fresh run dir; rank 0 reads its metrics.jsonl."""
     holder = [tempfile.mkdtemp(prefix="bench_accumulation_") if d.is_main else None]
     dist.broadcast_object_list(holder, src=0)
     run_dir = Path(str(holder[0]))
-    with contextlib.redirect_stdout(io.StringIO()), meter_clock(CLOCKS[clock]):  # its log lines
+    with contextlib.redirect_stdout(io.StringIO()), metrics.timed_by(CLOCKS[clock]):  # its log lines
         train(cfg, d, "ddp", run_dir)
     result = None
     if d.is_main:

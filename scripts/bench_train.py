@@ -39,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -57,17 +56,6 @@ from trainkit.precision import autocast_for  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter  # what both loops are timed by (--clock)
-
-
-@contextlib.contextmanager
-def trainkit_clock():
-    """train()'s meter (trainkit.metrics) times its rows by the benchmark's clock."""
-    saved = metrics.time
-    metrics.time = types.SimpleNamespace(perf_counter=clock)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        metrics.time = saved
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
@@ -124,7 +112,7 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
     """train() itself; its last row's samples/s (all ranks), read back from rank 0's metrics."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(d.gather_object(tmp)[0])  # rank 0's dir: it alone writes metrics.jsonl
-        with trainkit_clock():
+        with metrics.timed_by(clock):
             train(cfg, d, "ddp" if d.distributed else "single", run_dir)
         rate = 0.0
         if d.is_main:

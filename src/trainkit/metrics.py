@@ -11,6 +11,19 @@ from typing import cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+clock = time.perf_counter  # what TrainMeter's times (samples/s, time/data_wait) are measured by
+
+
+@contextlib.contextmanager
+def timed_by(other):
+    """TrainMeter times by `other` meanwhile: scripts/bench_*.py time both of their loops by CPU time on a CPU."""
+    global clock
+    saved, clock = clock, other
+    try:
+        yield
+    finally:
+        clock = saved
+
 
 class MetricsLogger:
     """Rank 0's logger. Use as a context manager: W&B's finish() runs even when training fails."""
@@ -175,30 +188,30 @@ class TrainMeter:
         self.steps = self.row_skipped = self.row_samples = 0
         self.data_wait = 0.0
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
-        self.started = time.perf_counter()
+        self.started = clock()
 
     def start_clock(self) -> None:
         """Throughput counts from here (not from start-up)."""
-        self.started = time.perf_counter()
+        self.started = clock()
         self.row_samples = 0
 
     @contextlib.contextmanager
     def paused(self):
         """Time spent in the body (evaluation, checkpoints) does not count as training time."""
-        started = time.perf_counter()
+        started = clock()
         try:
             yield
         finally:
-            self.started += time.perf_counter() - started
+            self.started += clock() - started
 
     @contextlib.contextmanager
     def waiting_for_data(self):
         """Time in the body is the loop waiting on the loader (time/data_wait: its share of the row's time)."""
-        started = time.perf_counter()
+        started = clock()
         try:
             yield
         finally:
-            self.data_wait += time.perf_counter() - started
+            self.data_wait += clock() - started
 
     def add_micro_step(self, loss_sum: torch.Tensor) -> None:
         """loss_sum: this rank's summed loss of one micro-batch's items."""
@@ -251,7 +264,7 @@ class TrainMeter:
         """Means since the last row; an all-reduce, so every rank must call it at the same step."""
         loss_sum = self.d.all_reduce_sum(self.loss_sum).item()
         counted = self.steps - self.row_skipped
-        elapsed = time.perf_counter() - self.started
+        elapsed = clock() - self.started
         row = {
             "loss": loss_sum / self.row_items.item() if counted else float("nan"),
             "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),

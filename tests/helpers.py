@@ -418,7 +418,7 @@ class LeastSquares:
         return torch.stack([loss, torch.zeros_like(loss), torch.tensor(len(target), dtype=torch.float64)])
 
     def eval_metrics(self, sums):
-        return {"val/loss": sums[0] / sums[2]}
+        return {"loss": sums[0] / sums[2]}
 
 
 def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0):

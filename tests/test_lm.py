@@ -59,7 +59,7 @@ def test_language_model_items_are_the_loss_bearing_tokens_and_exact_match_is_per
     sums = task.eval_sums(inputs, logits, target).tolist()
     assert sums[1:4] == [3.0, 1.0, 2.0]  # tokens, right answers, answers
     metrics = task.eval_metrics(sums)
-    assert metrics["val/acc"] == metrics["val/acc_1x1"] == 0.5
+    assert metrics["acc"] == metrics["acc_1x1"] == 0.5
 
 
 def max_diff(a: Path, b: Path) -> float:

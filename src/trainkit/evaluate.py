@@ -8,9 +8,12 @@ from trainkit.tasks import Classification
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task: Classification) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, loader, d: Dist, autocast, task: Classification, prefix: str = "val"
+) -> dict[str, float]:
     """The task's loss and accuracy over the loader's contiguous shards (data.eval_loader), from
-    all-reduced sums and counts, never a mean of per-rank means. `loader`: any iterable of batches,
+    all-reduced sums and counts, never a mean of per-rank means, named `<prefix>/<metric>`
+    (val/loss, val/acc, test/acc, ...). `loader`: any iterable of batches,
     or halving.EvalBatches (data.batch_size=auto: a batch that ran out of memory runs again at half
     the size; {} when even a batch of 1 did not fit, see EvalBatches.check).
 
@@ -23,11 +26,12 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task: Classifica
     # model.pt keeps. (A no-op in single mode; with SyncBN they are equal already.)
     for buffer in model.buffers():
         d.broadcast_from_main(buffer)
-    return _evaluate(model, loader, d, autocast, task)
+    return {f"{prefix}/{key}": value for key, value in _evaluate(model, loader, d, autocast, task).items()}
 
 
 @torch.inference_mode()
 def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
+    """The task's metrics ({"loss": ..., "acc": ...}; evaluate names them by the split)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(task.eval_width, dtype=torch.float64, device=d.device)  # loss, correct, counts, ...

@@ -17,6 +17,17 @@ from omegaconf import MISSING
 
 
 @dataclass
+class EarlyStopping:
+    patience: int | None = None  # null: off; N evaluations without an improvement of checkpoint.monitor
+    min_delta: float = 0.0  # an improvement is by more than this
+
+
+@dataclass
+class EMA:
+    decay: float | None = None  # null: off; e.g. 0.999
+
+
+@dataclass
 class Trainer:
     epochs: int = 20
     max_steps: int | None = None
@@ -27,6 +38,10 @@ class Trainer:
     log_every: int = 50
     on_nonfinite: str = "raise"
     compile: bool = False
+    test: bool = True  # at the end: the best (else last) weights on the test split
+    early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
+    ema: EMA = field(default_factory=EMA)
+    max_time: str | None = None  # a wall-clock budget of this process, e.g. 3h50m: checkpoint and stop
 
 
 @dataclass
@@ -34,6 +49,8 @@ class Checkpoint:
     every: int = 200
     keep: int = 2
     resume: str | None = "auto"
+    monitor: str | None = "auto"  # auto: the task's (val/acc; lm: val/loss) | an evaluation key | null: no best
+    mode: str = "auto"  # auto: from the key (loss, bpc: min; else max) | max | min
 
 
 @dataclass

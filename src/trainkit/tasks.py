@@ -20,6 +20,7 @@ class Classification:
 
     items_name = None  # items are samples: the epoch layout counts them, no communication needed
     eval_width = 3  # len(eval_sums(...))
+    monitor = ("val/acc", "max")  # checkpoint.monitor=auto / checkpoint.mode=auto: what picks the best checkpoint
 
     def __init__(self, label_smoothing: float = 0.0):
         if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 1):
@@ -41,7 +42,7 @@ class Classification:
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, correct, samples = sums
-        return {"val/loss": loss / samples, "val/acc": correct / samples}
+        return {"loss": loss / samples, "acc": correct / samples}
 
 
 class LanguageModel:
@@ -54,6 +55,7 @@ class LanguageModel:
     whose argmax is right, and val/bpc the loss in bits per character (val/loss / ln 2)."""
 
     items_name = "tokens"
+    monitor = ("val/loss", "min")  # checkpoint.monitor=auto: exact match is 0 for long, the loss moves from the start
 
     def __init__(self, max_digits: int | None = None, per_character: bool = False):
         self.max_digits, self.per_character = max_digits, per_character
@@ -83,12 +85,12 @@ class LanguageModel:
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, tokens, correct, answers, hits = sums[:5]
-        metrics = {"val/loss": loss / tokens, "val/acc": correct / answers}
+        metrics = {"loss": loss / tokens, "acc": correct / answers}
         if self.per_character:
-            metrics |= {"val/acc": hits / tokens, "val/bpc": loss / tokens / math.log(2)}
+            metrics |= {"acc": hits / tokens, "bpc": loss / tokens / math.log(2)}
         for (a, b), (right, count) in zip(self._pairs(), zip(sums[5::2], sums[6::2], strict=True), strict=True):
             if count:
-                metrics[f"val/acc_{a}x{b}"] = right / count
+                metrics[f"acc_{a}x{b}"] = right / count
         return metrics
 
     def _pairs(self) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ from trainkit.parallel import full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.progress import Progress
 from trainkit.rng import seed_all, seed_step
+from trainkit.selection import Selection, monitored
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
@@ -95,6 +96,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
+    # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
+    monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task)
+    stopping = cfg.trainer.early_stopping
+    selection = Selection(monitor, monitor_mode, stopping.patience, stopping.min_delta, len(val_set) > 0, d)
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
@@ -108,6 +113,14 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
     if resumed:
         checkpoint.check_compatible(resumed["identity"], identity)
+        if note := selection.load_state_dict(resumed.get("selection")):
+            d.print0(f"resume: {note}")
+        if selection.stopped:  # a run that stopped early trains no more (PL #8278)
+            d.print0(
+                f"nothing to train: {resumed['path']} stopped early at step {resumed['progress']['step']}: "
+                f"{selection.stop_reason()}; the run dir stays as it is (a larger patience trains on)"
+            )
+            return selection.best
         if resumed["progress"]["step"] > total_steps:
             d.print0(
                 f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
@@ -115,6 +128,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             )
             return None
         checkpoint.restore(resumed, *stateful, d)
+        checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
         auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
         val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
         layout, loader = data_for(auto.batch_size, auto.K)
@@ -208,7 +222,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 save_now = checkpointer.due(step, total_steps)
                 if log_now or eval_now or save_now:
                     guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
-                if log_now:
+                best_now = False
+                with meter.paused():
+                    if eval_now and (val := evaluate(unwrap(model), val_batches, d, autocast, task)):  # {}: nothing fit
+                        best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
+                        val |= selection.row()
+                stop = selection.stopped  # early stopping: its last row and checkpoint at this step
+                if log_now or stop:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
                     console.row(row["loss"], lr, row["samples_per_s"])
                     console.print(
@@ -217,22 +237,33 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
                     )
                 with meter.paused():
-                    if eval_now and (val := evaluate(unwrap(model), val_batches, d, autocast, task)):  # {}: nothing fit
+                    if eval_now and val:
                         row |= val
                         console.print(
                             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
                             f"val acc {val['val/acc']:.4f}"
                             + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
+                            + selection.said()
                         )
+                    if stop:
+                        console.print(f"stopped early at step {step}: {selection.stop_reason()}")
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
-                    if save_now:
+                    if save_now or stop or best_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         state = checkpoint.snapshot(*stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
-                        checkpointer.save(step, state | {"autobatch": auto_state})
+                        state |= {"autobatch": auto_state, "selection": selection.state_dict()}
+                        if save_now or stop:
+                            checkpointer.save(step, state)
+                        if best_now:  # checkpoints/best: outside the rotation, which never deletes it
+                            checkpointer.save_best(state)
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
+                if stop:
+                    break
+            if selection.stopped:
+                break
 
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_batches, d, autocast, task)
@@ -240,9 +271,20 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
     if d.is_main:
         torch.save(final, run_dir / "model.pt")
+    wrote = [run_dir / "model.pt"]
+    if selection.best_step is not None:  # from here on the model holds the best evaluation's weights
+        if checkpointer.load_best(unwrap(model), selection.best_step):
+            best = checkpoint.full_state_dict(unwrap(model))
+            if d.is_main:
+                torch.save(best, run_dir / "model_best.pt")
+            wrote.append(run_dir / "model_best.pt")
+        else:
+            d.print0(f"warning: {checkpointer.best} is not step {selection.best_step}'s: no model_best.pt")
     summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
-    d.print0(f"done: {step} steps, {summary}; wrote {run_dir / 'model.pt'}")
-    return val.get("val/acc")
+    if selection.best is not None:
+        summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}"
+    d.print0(f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}")
+    return selection.best if selection.monitor else val.get("val/acc")
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
@@ -75,8 +76,63 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> Path:
         """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a
         list indexed by rank; rank 0 writes it (and, unless sharded, everything else)."""
+        path = self._write(self.directory / f"step_{step:08d}{'' if self.sharded else '.pt'}", state)
+        if self.d.is_main:
+            for old in self.complete()[: -self.keep]:  # never `best`: not a step_<N> name
+                _remove(old)
+        self.d.barrier()  # nobody runs ahead (e.g. to exit) before the checkpoint is complete
+        return path
+
+    @property
+    def best(self) -> Path:
+        """checkpoints/best.pt (checkpoints/best/ under FSDP): the best evaluation's checkpoint,
+        outside the keep-last-N rotation."""
+        return self.directory / ("best" if self.sharded else "best.pt")
+
+    def save_best(self, state: dict) -> Path:
+        """Replace checkpoints/best with `state`, as save() writes a step (every rank calls it)."""
+        path = self._write(self.best, state)
+        self.d.barrier()
+        return path
+
+    def adopt_best(self, resumed: Path, step: int | None) -> None:
+        """A run resumed from another run dir's checkpoint takes that dir's checkpoints/best along
+        when it holds the resumed run's best step (else model_best.pt would be missing at the end)."""
+        source = Path(resumed).parent / self.best.name
+        if step is None or source.resolve() == self.best.resolve() or self._step_of(self.best) == step:
+            return
+        if self.d.is_main and self._step_of(source) == step:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.best.with_name(self.best.name + ".tmp")
+            shutil.copytree(source, tmp) if source.is_dir() else shutil.copy2(source, tmp)
+            _remove(self.best)
+            os.replace(tmp, self.best)
+        self.d.barrier()
+
+    def _step_of(self, path: Path) -> int | None:
+        """The step of a checkpoint file or DCP directory, None when there is none."""
+        if not (path.is_file() or (path / ".metadata").is_file()):
+            return None
+        return self._read(path)["progress"]["step"]
+
+    def load_best(self, model, step: int, entry: str = "model") -> bool:
+        """Load checkpoints/best's weights (its `entry`: "model", or an average of them) into `model`
+        (unwrapped; FSDP: its shards, through DCP) if it holds step `step`, the run's best. False,
+        nothing loaded, when it does not: a resume that changed the run (optim.*) after a best
+        checkpoint was written past the step it resumed from. Every rank calls it."""
+        path = self.best
+        if self._step_of(path) != step:
+            return False
+        if isinstance(model, FSDPModule):
+            state = get_model_state_dict(model)  # type: ignore[arg-type]  # the shards to load into
+            dcp.load({entry: state}, checkpoint_id=path)
+            set_model_state_dict(model, state)  # type: ignore[arg-type]
+        else:
+            load_model(model, torch.load(path, map_location="cpu", weights_only=True)[entry], path)
+        return True
+
+    def _write(self, path: Path, state: dict) -> Path:
         state = dict(state, ranks=self.d.gather_object(state["ranks"]))
-        path = self.directory / f"step_{step:08d}{'' if self.sharded else '.pt'}"
         tmp = path.with_name(path.name + ".tmp")
         if self.d.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -87,9 +143,6 @@ class Checkpointer:
             os.replace(tmp, path)  # atomic: the checkpoint exists complete, or not at all
         if self.d.is_main:
             _fsync_dir(self.directory)
-            for old in self.complete()[: -self.keep]:
-                _remove(old)
-        self.d.barrier()  # nobody runs ahead (e.g. to exit) before the checkpoint is complete
         return path
 
     def _save_sharded(self, path: Path, tmp: Path, state: dict) -> None:
@@ -108,8 +161,14 @@ class Checkpointer:
         if self.d.is_main:
             _write(tmp / "state.pt", state)
             _fsync_dir(tmp)
-            _remove(path)  # only when resumed from an older checkpoint into a dir that has this step
+            # A directory cannot replace another in one rename: the old one steps aside first (a
+            # crash between the renames leaves it as <name>.old, which load() puts back).
+            old = path.with_name(path.name + ".old")
+            _remove(old)
+            if path.exists():  # best, or a step a resumed run reaches again
+                os.replace(path, old)
             os.replace(tmp, path)
+            _remove(old)
 
     def load(self, resume) -> dict | None:
         """resume: null (start fresh), auto (newest complete checkpoint here, else fresh) or a
@@ -127,6 +186,12 @@ class Checkpointer:
                 self.d.print0(f"warning: ignoring the incomplete checkpoint {leftover} (a save was interrupted)")
                 if self.d.is_main:
                     _remove(leftover)
+            for old in self.directory.glob("*.old"):  # a directory's replacement interrupted between its renames
+                if self.d.is_main and old.with_suffix("").exists():
+                    _remove(old)
+                elif self.d.is_main:
+                    os.replace(old, old.with_suffix(""))
+            self.d.barrier()  # the others list the checkpoints after rank 0 put them in order
         for path in reversed(self.complete()):
             try:
                 return self._read(path)

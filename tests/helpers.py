@@ -102,13 +102,14 @@ def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
             import train
 
             train.run(compose_cfg(*overrides), Path(run_dir))
-        else:  # predict: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
-            import predict
+        else:  # predict, eval: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
             from trainkit import dist as trainkit_dist
 
+            entry = importlib.import_module(script)
+            run = entry.predict_run if script == "predict" else entry.eval_run
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             try:
-                predict.predict_run(compose_cfg(*overrides, config_name="predict"), Path(run_dir))
+                run(compose_cfg(*overrides, config_name=script), Path(run_dir))
             finally:
                 trainkit_dist.teardown()
     return out.getvalue()
@@ -198,14 +199,14 @@ def without_timings(row: dict) -> dict:
 
 def rows(run_dir: Path, timings: bool = True, test: bool = False) -> list[dict]:
     """metrics.jsonl's rows of training and validation (timings=False: without the clock readings, to
-    compare two runs); test=True: with the test row at the end (trainer.test), see test_row."""
+    compare two runs); test=True: with the test row at the end (trainer.test), see final_test_row."""
     from trainkit.metrics import is_test_row
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [row if timings else without_timings(row) for row in map(json.loads, lines) if test or not is_test_row(row)]
 
 
-def test_row(run_dir: Path) -> dict:
+def final_test_row(run_dir: Path) -> dict:
     """The one row of the test pass at the end of a run (trainer.test: test/loss, test/acc, ...)."""
     from trainkit.metrics import is_test_row
 

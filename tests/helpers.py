@@ -155,7 +155,7 @@ SYNC_BN = [
 
 
 # The run the crash tests kill and resume (test_checkpoint.py, test_launch.py): a BatchNorm model with
-# dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch (15 steps per epoch on one rank, 8 on
+# dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch (12 steps per epoch on one rank, 6 on
 # two) and in the middle of a log row (rows every 3 steps).
 CRASH_RUN = [
     "model=cnn",
@@ -403,12 +403,12 @@ class NoisyDigits(torch.utils.data.Dataset):
         return torch.roll(x + 0.1 * torch.randn_like(x), int(np.random.randint(-1, 2)), dims=-1), y
 
 
-def noisy_digits(val_fraction: float = 0.2):
+def noisy_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
     """data.splits._target_=helpers.noisy_digits: digits whose training split augments randomly."""
     from trainkit.data import digits
 
-    train, val = digits(val_fraction)
-    return NoisyDigits(train), val
+    train, val, test = digits(val_fraction, test_fraction)
+    return NoisyDigits(train), val, test
 
 
 class LeastSquares:
@@ -434,9 +434,10 @@ class LeastSquares:
         return {"loss": sums[0] / sums[2]}
 
 
-def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0):
-    """y = X w + b exactly, float64; no validation split. (`val_fraction`: data=digits' key, which its
-    schema keeps when _target_ is swapped; only 0 is meaningful here.)"""
+def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0, test_fraction: float = 0.0):
+    """y = X w + b exactly, float64; no validation split, no test split (train, val: a data function of
+    one's own). (`val_fraction`, `test_fraction`: data=digits' keys, which its schema keeps when _target_
+    is swapped; only val_fraction=0 is meaningful here, test_fraction is not read.)"""
     assert val_fraction == 0
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, features, generator=g, dtype=torch.float64)

@@ -114,7 +114,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
     lines = files[1][0].decode().splitlines()
     assert lines[0] == "index,target,prediction," + ",".join(f"prob_{c}" for c in range(10))
     rows = [line.split(",") for line in lines[1:]]
-    _, val = digits()
+    _, val, _ = digits()
     assert [int(r[0]) for r in rows] == list(range(len(val)))  # every sample once, in order
     assert [int(r[1]) for r in rows] == val.tensors[1].tolist()  # the targets of those samples
     probs = torch.tensor([[float(p) for p in r[3:]] for r in rows])

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-
-from helpers import compose_cfg, rows, run_in_process, run_train, final_test_row, weights
 from test_experiments import _skip_md5, write_fake_cifar10
+
+from helpers import compose_cfg, final_test_row, rows, run_in_process, run_train, weights
 from trainkit import addition, text
 from trainkit.data import carve, digits, fake, torchvision_splits
 from trainkit.errors import ConfigError

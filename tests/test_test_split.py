@@ -169,6 +169,15 @@ def test_eval_reproduces_train_pys_test_and_val_rows(short_runs, tmp_path):
     assert other["test/acc"] == row["test/acc"] and other["test/loss"] == pytest.approx(row["test/loss"], rel=1e-6)
 
 
+def test_predict_on_the_test_split_agrees_with_the_test_row(short_runs, tmp_path):
+    row = final_test_row(short_runs[1])
+    run_in_process(tmp_path, f"run_dir={short_runs[1]}", "split=test", script="predict")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["samples"] == 359 and metrics["accuracy"] == row["test/acc"]
+    # predict's loss: the float32 per-sample losses of the whole split at once, summed in float64 (1e-6 above).
+    assert metrics["loss"] == pytest.approx(row["test/loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -91,6 +91,5 @@ def test_the_gpt_shards_with_no_extra_keys_and_equals_one_process(tmp_path):
         # SGD: the runs differ by reduction-order rounding (3.7e-9 measured); 1e-6 is 270x that, and one
         # Block reduce-scattered in bf16 (a planted bug) is 9.8e-5 off. (2 AdamW steps: 3.6e-5 on 15 weights.)
         torch.testing.assert_close(fsdp[key], single[key], rtol=0, atol=1e-6, msg=key)
-    assert (
-        rows(tmp_path / "fsdp")[-1]["comm/grad_syncs"] == 1.0
-    )  # the Blocks and the root: one reduce-scatter round a step
+    # The Blocks and the root: one reduce-scatter round a step.
+    assert rows(tmp_path / "fsdp")[-1]["comm/grad_syncs"] == 1.0

@@ -117,36 +117,48 @@ def short_runs(tmp_path_factory):
     return runs
 
 
-def test_the_test_pass_counts_every_test_sample_once_on_1_2_3_ranks(short_runs):
-    # 359 test samples: 3 ranks get 120, 120, 119 (DistributedSampler would pad to 360 and count one twice).
-    cfg = compose_cfg()
+def assert_every_test_sample_once(run, *overrides: str) -> dict:
+    """The run's test row against its model.pt over the 359 test samples at once, each exactly once."""
+    cfg = compose_cfg(*overrides)
     _, _, test = instantiate(cfg.data.splits)
     x, y = test.tensors
-    assert len(test) == 359 and len(test) % 3
+    assert len(test) == 359 and len(test) % 2 and len(test) % 3
+    row = final_test_row(run)
+    assert row.keys() == {"step", "epoch", "test/loss", "test/acc"}
+    model = instantiate(cfg.model)
+    model.load_state_dict(weights(run))
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    loss = F.cross_entropy(logits, y, reduction="none").double().mean().item()
+    # The same weights; float32 per-sample losses at another batch size differ in their last bits
+    # (4.5e-8 relative measured, float32's eps 6e-8): 1e-6. A sample counted twice moves the mean by
+    # (its loss - the mean) / 360 and the accuracy to a multiple of 1/360, which k/359 never is.
+    assert row["test/loss"] == pytest.approx(loss, rel=1e-6)
+    assert row["test/acc"] == (logits.argmax(1) == y).double().mean().item()
+    return row
+
+
+def test_the_test_pass_counts_every_test_sample_once_on_1_2_3_ranks(short_runs):
+    # 359 test samples: 2 ranks get 180, 179; 3 ranks 120, 120, 119 (DistributedSampler pads to 360: one twice).
     got = {}
     for nproc, run in short_runs.items():
-        row = final_test_row(run)
-        assert row["step"] == 6 and row.keys() == {"step", "epoch", "test/loss", "test/acc"}
-        assert row["epoch"] == pytest.approx(6 / 23)  # 1079 samples, global batch 48: 23 steps an epoch
-        # The reference: this run's model.pt over the 359 test samples at once, each exactly once.
-        model = instantiate(cfg.model)
-        model.load_state_dict(weights(run))
-        model.eval()
-        with torch.no_grad():
-            logits = model(x)
-        loss = F.cross_entropy(logits, y, reduction="none").double().mean().item()
-        # The same weights; float32 per-sample losses at another batch size differ in their last bits
-        # (4.5e-8 relative measured, float32's eps 6e-8): 1e-6. A sample counted twice moves the mean by
-        # (its loss - the mean) / 360 and the accuracy to a multiple of 1/360, which k/359 never is.
-        assert row["test/loss"] == pytest.approx(loss, rel=1e-6), nproc
-        assert row["test/acc"] == (logits.argmax(1) == y).double().mean().item(), nproc
-        got[nproc] = row
+        got[nproc] = row = assert_every_test_sample_once(run)
+        assert row["step"] == 6 and row["epoch"] == pytest.approx(6 / 23)  # 1079 samples / global batch 48: 23 steps
     # Across world sizes the weights agree to SGD's reduction-order rounding (~1e-7, helpers.py): the
     # loss to 1e-5 relative (a sample counted twice moves it by ~3e-3), the accuracy exactly (no
     # logit margin here is that thin).
     for nproc in (2, 3):
         assert got[nproc]["test/loss"] == pytest.approx(got[1]["test/loss"], rel=1e-5)
         assert got[nproc]["test/acc"] == got[1]["test/acc"]
+
+
+def test_the_fsdp_test_pass_on_3_ranks_runs_unequal_shards_in_step(tmp_path):
+    # Batches of 7: shards of 120, 120 and 119 make 18, 18 and 17 batches; every FSDP forward all-gathers,
+    # so the short rank runs an empty batch (EvalBatches' padding) instead of hanging the others.
+    overrides = [*SHORT, "data.batch_size=7", "parallel=fsdp"]  # evaluation batches: the training micro-batch
+    run_in_process(tmp_path, *overrides, nproc=3)
+    assert assert_every_test_sample_once(tmp_path, *overrides)["step"] == 6
 
 
 def test_eval_reproduces_train_pys_test_and_val_rows(short_runs, tmp_path):

@@ -121,7 +121,7 @@ def torchvision_splits(
     train_idx, val_idx = carve(len(train), val_fraction)
     splits = (Subset(train, train_idx), Subset(carved, val_idx), test)
     for split, draws in zip(splits, (augment, False, False), strict=True):
-        split.draws_random = draws  # type: ignore[attr-defined]  # without augmentation: no per-sample seeding
+        split.draws_random = draws  # without augmentation: no per-sample seeding to pay
     return splits
 
 

@@ -120,14 +120,14 @@ MODELS = {
 SCALING = ("mlp",)  # models that also get the one-process run
 
 
-def tensor_splits(train_size: int, val_size: int, shape, num_classes: int):
+def tensor_splits(train_size: int, val_size: int, shape, num_classes: int, test_size: int = 0):
     """data=fake's signature, in memory: random inputs and labels (no per-sample PIL work)."""
     g = torch.Generator().manual_seed(0)
 
     def split(n):
         return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, num_classes, (n,), generator=g))
 
-    return split(train_size), split(val_size)
+    return split(train_size), split(val_size), split(test_size)
 
 
 QUICK = {"mlp": ("model.width=64",), "resnet18": (), "gpt": ()}  # --quick: a smaller model, the same code
@@ -153,7 +153,7 @@ def make_config(
 
 def micro_batches(cfg, d: Dist) -> list:
     """K micro-batches of this rank, collated once, on the device."""
-    train_set, _ = instantiate(cfg.data.splits)
+    train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     b = cfg.data.batch_size
     collate = collate_fn(train_set)
     batches = []

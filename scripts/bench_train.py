@@ -64,7 +64,7 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     The loss is the task's (classification: cross-entropy; lm: over the loss-bearing tokens), a mean
     per micro-batch / K as tutorials do."""
     torch.manual_seed(cfg.seed)
-    train_set, _ = instantiate(cfg.data.splits)
+    train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     model = instantiate(cfg.model).to(d.device)
     if d.distributed:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)

@@ -126,6 +126,7 @@ def summary(job: Job) -> dict[str, float | None]:
         "final loss": losses[-1] if losses else None,
         "best val/acc": max(accs) if accs else None,
         "final val/acc": values(job, "val/acc")[-1] if accs else None,
+        "test/acc": (values(job, "test/acc") or [None])[-1],
         "samples/s": mean(values(job, "samples_per_s")),
         "syncs/step": mean(values(job, "comm/grad_syncs")),
         "time": job.wall_s,
@@ -137,6 +138,7 @@ FORMATS: dict[str, str | None] = {
     "final loss": "{:.4f}",
     "best val/acc": "{:.4f}",
     "final val/acc": "{:.4f}",
+    "test/acc": "{:.4f}",
     "samples/s": "{:.0f}",
     "syncs/step": "{:.2f}",
     "time": None,  # see duration
@@ -165,6 +167,7 @@ def markdown(root: Path, jobs: list[Job], common: list[str]) -> str:
         "",
         "- final loss: the last logged training loss (a mean over its log interval).",
         "- best / final val/acc: the highest and the last evaluation.",
+        "- test/acc: the test pass at the end of the run (trainer.test), once on the test split.",
         "- samples/s: the mean of the rows' samples_per_s (each over its log interval, training time only).",
         "- syncs/step: the mean of comm/grad_syncs (gradient all-reduces per optimizer step; 0 in a single process).",
         "- time: from .hydra/config.yaml (written as training starts, or resumes) to the last metrics row.",

@@ -1,5 +1,5 @@
 """Predict with a finished training run: `python src/predict.py run_dir=outputs/<date>/<time>` or
-`torchrun --nproc_per_node=N src/predict.py run_dir=...`. Config: conf/predict.yaml.
+`torchrun --nproc_per_node=N src/predict.py run_dir=... [split=val|test|train]`. Config: conf/predict.yaml.
 
 Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt, predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
@@ -21,50 +21,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, sampling, text
+from trainkit import config, dist, heldout, sampling, text
 from trainkit.addition import END, IGNORE
-from trainkit.checkpoint import load_model
 from trainkit.errors import ConfigError, user_error
 from trainkit.halving import EvalBatches
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
+from trainkit.rundir import load_run_config, load_weights
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
 
-SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
-
-
-def load_run_config(cfg: DictConfig) -> DictConfig:
-    """The training run's composed config; one-line errors for what is missing or wrong."""
-    if OmegaConf.is_missing(cfg, "run_dir"):
-        raise ConfigError("run_dir is required: python src/predict.py run_dir=<dir of a training run>")
-    run_dir = Path(cfg.run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"run_dir={run_dir} does not exist")
-    for name in (".hydra/config.yaml", "model.pt"):  # model.pt appears when training has finished
-        if not (run_dir / name).is_file():
-            raise ConfigError(f"run_dir={run_dir} has no {name}: not a finished training run")
-    if cfg.split not in SPLITS:
-        raise ConfigError(f"split={cfg.split} is not one of: {', '.join(SPLITS)}")
-    if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
-        raise ConfigError(f"batch_size={cfg.batch_size} must be null or a positive integer")
-    run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    if not isinstance(run_cfg, DictConfig):
-        raise ConfigError(f"run_dir={run_dir}: .hydra/config.yaml is not a training run's config")
-    return run_cfg
-
-
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")  # never unpickle code
-    except Exception as error:
-        # torch's message runs over many lines; the type is enough to tell corrupt from unsafe.
-        raise ConfigError(
-            f"{path} is no state_dict that torch.load(weights_only=True) reads ({type(error).__name__})"
-        ) from None
-    load_model(model, state, f"{path} (the run's model config)")
 
 
 def metrics_of(logits: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -109,7 +77,11 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     run_dir = Path(cfg.run_dir)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     with d.rank0_first():  # rank 0 prepares (downloads) the data first
-        dataset = instantiate(run_cfg.data.splits)[SPLITS.index(cfg.split)]
+        dataset = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)[heldout.SPLITS.index(cfg.split)]
+    if dataset is None:
+        raise ConfigError(
+            f"split=test: data={run_cfg.data.name} of {run_dir} has no test split (its data.splits returns train, val)"
+        )
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
     batch_size = cfg.batch_size or run_cfg.data.batch_size
@@ -185,7 +157,7 @@ def main(cfg: DictConfig) -> float | None:
 def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     """Load the run's config and check the settings (before the process group: fail fast, on every
     rank alike), join the process group, predict (or sample, from a text run) into `out_dir`."""
-    run_cfg = load_run_config(cfg)
+    run_cfg = load_run_config(cfg, "predict", heldout.SPLITS)
     vocab = Vocabulary.load(Path(cfg.run_dir))  # a text run's vocabulary, else None
     if vocab is not None:
         sampling.check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)

@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, dist, launch, optim, schedules
+from trainkit import checkpoint, config, dist, heldout, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
@@ -38,7 +38,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # DistributedSampler does (one shard in single mode), so step s trains on the same samples
     # at any world size; the sampler's padding repeats never reach a forward.
     with d.rank0_first():
-        train_set, val_set = instantiate(cfg.data.splits)
+        splits = instantiate(cfg.data.splits)
+    train_set, val_set, test_set = heldout.unpack(splits, cfg.data.name)  # test None: it returns (train, val)
     if len(train_set) == 0:
         raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
     auto = AutoBatch(cfg, d)  # micro-batch b and K; data.batch_size=auto: b = global / W, halved on out of memory
@@ -59,7 +60,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     layout, loader = data_for(auto.batch_size, auto.K)
     # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
-    val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, cfg.data.num_workers, auto.enabled, mode == "fsdp")
+    eval_args = (cfg.data.num_workers, auto.enabled, mode == "fsdp")
+    val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, *eval_args)
+    no_test, test_batches = heldout.skipped(test_set, cfg.data.name), None  # why there is no test pass, or None
+    if cfg.trainer.test and test_set is not None and not no_test:  # at the end; auto: from val's fitting batch
+        test_batches = EvalBatches(test_set, d, lambda: val_batches.batch_size, *eval_args, what="test")
     steps_per_epoch = layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -142,13 +147,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     d.print0(
         f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
-        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val) | precision={precision}\n"
+        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
+        f"precision={precision}\n"
         f"global batch {layout.global_batch} = {d.world_size} ranks x {auto.batch_size} micro-batch "
         f"x {auto.K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
     )
     if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
         d.print0(summary)
+    if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
+        d.print0(no_test)
 
     step, val = start["step"], {}
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
@@ -265,25 +273,25 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             if selection.stopped:
                 break
 
-    if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
-        val = evaluate(unwrap(model), val_batches, d, autocast, task)
-        val_batches.check()
-    final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
-    if d.is_main:
-        torch.save(final, run_dir / "model.pt")
-    wrote = [run_dir / "model.pt"]
-    if selection.best_step is not None:  # from here on the model holds the best evaluation's weights
-        if checkpointer.load_best(unwrap(model), selection.best_step):
-            best = checkpoint.full_state_dict(unwrap(model))
-            if d.is_main:
-                torch.save(best, run_dir / "model_best.pt")
-            wrote.append(run_dir / "model_best.pt")
-        else:
-            d.print0(f"warning: {checkpointer.best} is not step {selection.best_step}'s: no model_best.pt")
-    summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
-    if selection.best is not None:
-        summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}"
-    d.print0(f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}")
+        if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
+            val = evaluate(unwrap(model), val_batches, d, autocast, task)
+            val_batches.check()
+        final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
+        if d.is_main:
+            torch.save(final, run_dir / "model.pt")
+        wrote = [run_dir / "model.pt"]
+        if selection.best_step is not None:  # from here on the model holds the best evaluation's weights
+            wrote += checkpointer.write_best(unwrap(model), selection.best_step, run_dir / "model_best.pt")
+        test = {}
+        if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
+            test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")  # best, else last weights
+            test_batches.check()
+            logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
+            console.print(heldout.line(test))
+        summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
+        summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}" if selection.best_step else ""
+        summary += f", test acc {test['test/acc']:.4f}" if test else ""
+        d.print0(f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}")
     return selection.best if selection.monitor else val.get("val/acc")
 
 

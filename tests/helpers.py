@@ -102,13 +102,14 @@ def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
             import train
 
             train.run(compose_cfg(*overrides), Path(run_dir))
-        else:  # predict: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
-            import predict
+        else:  # predict, eval: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
             from trainkit import dist as trainkit_dist
 
+            entry = importlib.import_module(script)
+            run = entry.predict_run if script == "predict" else entry.eval_run
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             try:
-                predict.predict_run(compose_cfg(*overrides, config_name="predict"), Path(run_dir))
+                run(compose_cfg(*overrides, config_name=script), Path(run_dir))
             finally:
                 trainkit_dist.teardown()
     return out.getvalue()
@@ -154,7 +155,7 @@ SYNC_BN = [
 
 
 # The run the crash tests kill and resume (test_checkpoint.py, test_launch.py): a BatchNorm model with
-# dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch (15 steps per epoch on one rank, 8 on
+# dropout, AdamW + cosine, K=3, a checkpoint at step 10: mid-epoch (12 steps per epoch on one rank, 6 on
 # two) and in the middle of a log row (rows every 3 steps).
 CRASH_RUN = [
     "model=cnn",
@@ -196,10 +197,22 @@ def without_timings(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in TIMINGS}
 
 
-def rows(run_dir: Path, timings: bool = True) -> list[dict]:
-    """metrics.jsonl's rows (timings=False: without the clock readings, to compare two runs)."""
+def rows(run_dir: Path, timings: bool = True, test: bool = False) -> list[dict]:
+    """metrics.jsonl's rows of training and validation (timings=False: without the clock readings, to
+    compare two runs); test=True: with the test row at the end (trainer.test), see final_test_row."""
+    from trainkit.metrics import is_test_row
+
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [row if timings else without_timings(row) for row in map(json.loads, lines)]
+    return [row if timings else without_timings(row) for row in map(json.loads, lines) if test or not is_test_row(row)]
+
+
+def final_test_row(run_dir: Path) -> dict:
+    """The one row of the test pass at the end of a run (trainer.test: test/loss, test/acc, ...)."""
+    from trainkit.metrics import is_test_row
+
+    found = [row for row in rows(run_dir, test=True) if is_test_row(row)]
+    assert len(found) == 1, found
+    return found[0]
 
 
 def weights(run_dir: Path) -> dict:
@@ -390,12 +403,12 @@ class NoisyDigits(torch.utils.data.Dataset):
         return torch.roll(x + 0.1 * torch.randn_like(x), int(np.random.randint(-1, 2)), dims=-1), y
 
 
-def noisy_digits(val_fraction: float = 0.2):
+def noisy_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
     """data.splits._target_=helpers.noisy_digits: digits whose training split augments randomly."""
     from trainkit.data import digits
 
-    train, val = digits(val_fraction)
-    return NoisyDigits(train), val
+    train, val, test = digits(val_fraction, test_fraction)
+    return NoisyDigits(train), val, test
 
 
 class LeastSquares:
@@ -421,9 +434,10 @@ class LeastSquares:
         return {"loss": sums[0] / sums[2]}
 
 
-def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0):
-    """y = X w + b exactly, float64; no validation split. (`val_fraction`: data=digits' key, which its
-    schema keeps when _target_ is swapped; only 0 is meaningful here.)"""
+def regression_splits(samples: int = 21, features: int = 3, val_fraction: float = 0.0, test_fraction: float = 0.0):
+    """y = X w + b exactly, float64; no validation split, no test split (train, val: a data function of
+    one's own). (`val_fraction`, `test_fraction`: data=digits' keys, which its schema keeps when _target_
+    is swapped; only val_fraction=0 is meaningful here, test_fraction is not read.)"""
     assert val_fraction == 0
     g = torch.Generator().manual_seed(0)
     x = torch.randn(samples, features, generator=g, dtype=torch.float64)

@@ -7,7 +7,6 @@ same RNG state (non-reentrant checkpoint replays it: the same dropout masks), so
 that could round differently."""
 
 import collections
-import json
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from helpers import ROOT, run_distributed, run_in_process
+from helpers import rows as rows_of
 from trainkit import config  # noqa: F401  (registers the schema)
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.dist import Dist
@@ -199,12 +199,9 @@ E2E = [
 def test_fsdp_training_with_checkpointing_is_training_without(tmp_path):
     for checkpointing in ("false", "true"):
         run_in_process(tmp_path / checkpointing, *E2E, f"model.activation_checkpointing={checkpointing}", nproc=2)
-    rows = {
-        c: [json.loads(line) for line in (tmp_path / c / "metrics.jsonl").read_text().splitlines()]
-        for c in ("false", "true")
-    }
-    keys = ("step", "loss", "grad_norm", "val/loss")
-    assert len(rows["true"]) == 2
+    rows = {c: rows_of(tmp_path / c, test=True) for c in ("false", "true")}
+    keys = ("step", "loss", "grad_norm", "val/loss", "test/loss")
+    assert len(rows["true"]) == 3  # two training rows and the test row
     assert [{k: r.get(k) for k in keys} for r in rows["true"]] == [{k: r.get(k) for k in keys} for r in rows["false"]]
     a, b = (torch.load(tmp_path / c / "model.pt", weights_only=True) for c in ("false", "true"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -10,7 +10,7 @@ from helpers import rows, run_in_process, weights
 
 # An MLP (no BatchNorm, no dropout: nothing that depends on the per-rank split) on digits, a global
 # batch of 32 in micro-batches of 8: K=4 on one rank, K=2 on two. 12 steps, a checkpoint at step 6
-# (mid-epoch: 45 windows an epoch) and rows every 4 steps.
+# (mid-epoch: 34 windows an epoch) and rows every 4 steps.
 RUN = [
     "model.width=32",
     "optim=sgd",  # an equivalence: SGD (tests/helpers.py)

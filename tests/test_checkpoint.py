@@ -356,6 +356,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_newest(short_ru
 # workers: 12 steps per epoch, checkpoints at the epoch boundary (12) and mid-epoch (17).
 AUGMENTED = [
     "data.splits._target_=helpers.noisy_digits",
+    "data.splits.test_fraction=0",  # no test split: the 1438 training samples of 12 steps an epoch
     "data.batch_size=128",
     "trainer.epochs=3",
     "model.dropout=0.1",

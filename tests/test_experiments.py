@@ -162,8 +162,8 @@ def test_micro_batch_keeps_the_global_batch_and_names_a_bad_split():
 
 def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
     _skip_md5()
-    train, val = torchvision_splits("CIFAR10", str(cifar_root), download=False, augment=True)
-    plain, plain_val = torchvision_splits("CIFAR10", str(cifar_root), download=False)
+    train, val, _ = torchvision_splits("CIFAR10", str(cifar_root), download=False, augment=True)
+    plain, plain_val, _ = torchvision_splits("CIFAR10", str(cifar_root), download=False)
     assert draws_random(train) and not any(map(draws_random, (val, plain, plain_val)))  # seeded per sample: train only
     torch.manual_seed(1)
     assert not torch.equal(train[0][0], plain[0][0])  # cropped/flipped: augmented

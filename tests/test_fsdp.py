@@ -250,6 +250,7 @@ def test_fsdp_accumulates_locally_reduces_once_evaluates_like_one_process_and_ch
 EPOCH = [
     "trainer.epochs=1",
     "data.splits.val_fraction=0.1965",
+    "data.splits.test_fraction=0",  # no test split: 1797 - 353 validation samples train
     "optim=sgd",
     "sched=cosine",
     "sched.warmup_steps=5",

@@ -1,13 +1,11 @@
 """parallel=fsdp's units with no extra keys: every built-in model shards, a model of one's own with a
 ModuleList too, and a unit that cannot be sharded is one line naming it."""
 
-import json
-
 import pytest
 import torch
 from torch import nn
 
-from helpers import max_diff, run_in_process, weights
+from helpers import max_diff, rows, run_in_process, weights
 from trainkit.config import ConfigError
 from trainkit.models import cnn, gpt, mlp, resnet18
 from trainkit.parallel import fsdp_units
@@ -93,5 +91,5 @@ def test_the_gpt_shards_with_no_extra_keys_and_equals_one_process(tmp_path):
         # SGD: the runs differ by reduction-order rounding (3.7e-9 measured); 1e-6 is 270x that, and one
         # Block reduce-scattered in bf16 (a planted bug) is 9.8e-5 off. (2 AdamW steps: 3.6e-5 on 15 weights.)
         torch.testing.assert_close(fsdp[key], single[key], rtol=0, atol=1e-6, msg=key)
-    rows = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["comm/grad_syncs"] == 1.0  # the Blocks and the root: one reduce-scatter round a step
+    # The Blocks and the root: one reduce-scatter round a step.
+    assert rows(tmp_path / "fsdp")[-1]["comm/grad_syncs"] == 1.0

@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
+from helpers import rows as rows_of
 from helpers import run_distributed, run_in_process, run_train
 from trainkit.config import ConfigError
 from trainkit.data import ContiguousSampler, digits, eval_loader, shard_bounds
@@ -114,7 +115,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
     lines = files[1][0].decode().splitlines()
     assert lines[0] == "index,target,prediction," + ",".join(f"prob_{c}" for c in range(10))
     rows = [line.split(",") for line in lines[1:]]
-    _, val = digits()
+    _, val, _ = digits()
     assert [int(r[0]) for r in rows] == list(range(len(val)))  # every sample once, in order
     assert [int(r[1]) for r in rows] == val.tensors[1].tolist()  # the targets of those samples
     probs = torch.tensor([[float(p) for p in r[3:]] for r in rows])
@@ -130,7 +131,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
 
 @pytest.mark.slow
 def test_val_metrics_of_a_2_rank_training_run_equal_predict(trained, predicted):
-    val = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()][-1]
+    val = rows_of(trained)[-1]  # the last evaluation (the test row after it: test_test_split.py)
     metrics = json.loads((predicted[1][0] / "metrics.json").read_text())
     assert val["val/acc"] == metrics["accuracy"]
     assert val["val/loss"] == pytest.approx(metrics["loss"], rel=0, abs=1e-6)
@@ -154,7 +155,7 @@ CASES = [
     ("missing", "does not exist"),
     ("no_model", "has no model.pt: not a finished training run"),
     ("mismatched", "(the run's model config) does not fit the model: other shape 0.weight"),
-    ("split", "split=test is not one of: train, val"),
+    ("split", "split=tests is not one of: train, val, test"),
     ("sampling", "prompt=hi, temperature=0.5: sampling settings need a text run (data=pydoc_text); run_dir="),
 ]
 
@@ -164,7 +165,7 @@ def _bad_overrides(trained: Path, tmp_path: Path, case: str) -> list[str]:
         "missing": [f"run_dir={tmp_path / 'nope'}"],
         "no_model": [f"run_dir={_broken_run(trained, tmp_path, 'no_model')}"],
         "mismatched": [f"run_dir={_broken_run(trained, tmp_path, 'mismatched')}"],
-        "split": [f"run_dir={trained}", "split=test"],
+        "split": [f"run_dir={trained}", "split=tests"],
         "sampling": [f"run_dir={trained}", "prompt=hi", "temperature=0.5", "top_k=null"],  # top_k: the default
     }[case]
 

@@ -15,10 +15,10 @@ from trainkit.tasks import LanguageModel
 
 
 def test_addition_lengths_vary_masks_cover_the_answer_and_splits_are_fixed_and_stratified():
-    train, val = splits(max_digits=3, num_train=3000, num_val=900)
+    train, val, _ = splits(max_digits=3, num_train=3000, num_val=900)
     assert (len(train), len(val)) == (3000, 900)
     assert not {tuple(p) for p in train.pairs.tolist()} & {tuple(p) for p in val.pairs.tolist()}
-    again, _ = splits(max_digits=3, num_train=3000, num_val=900)
+    again, *_ = splits(max_digits=3, num_train=3000, num_val=900)
     assert (again.pairs == train.pairs).all()  # fixed: no seed involved
     for split in (train, val):
         x, _ = Problems.collate_fn([split[i] for i in range(len(split))])
@@ -137,7 +137,7 @@ def test_predict_decodes_greedily_and_writes_identical_files_on_1_2_3_ranks(sing
     lines = files[1][0].decode().splitlines()
     assert lines[0] == "index,prompt,target,prediction,correct"
     rows = [line.split(",") for line in lines[1:]]
-    _, val = splits(max_digits=3, num_train=300, num_val=90)
+    _, val, _ = splits(max_digits=3, num_train=300, num_val=90, num_test=90)  # the run's (data.num_test: num_val)
     assert [(int(r[0]), r[1], r[2]) for r in rows] == [(i, *val.problem(i)) for i in range(90)]
     assert all(r[4] == str(int(r[2] == r[3])) for r in rows)
     metrics = json.loads(files[1][1])

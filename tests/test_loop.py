@@ -1,6 +1,5 @@
 """train() in-process: what is called once per optimizer step, the step count, the overrides."""
 
-import json
 import math
 import time
 from unittest import mock
@@ -12,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from helpers import ROOT
+from helpers import rows as metrics_rows
 from train import train
 from trainkit.dist import Dist
 from trainkit.rng import seed_all
@@ -25,7 +25,7 @@ def run(tmp_path, *overrides):
         cfg = compose("train", overrides=list(overrides))
     tmp_path.mkdir(parents=True, exist_ok=True)
     acc = train(cfg, CPU, "single", tmp_path)
-    return acc, [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return acc, metrics_rows(tmp_path)  # training and validation rows (the test row: helpers.final_test_row)
 
 
 def spy(owner, name):
@@ -33,10 +33,10 @@ def spy(owner, name):
     return mock.patch.object(owner, name, autospec=True, side_effect=getattr(owner, name))
 
 
-@pytest.mark.parametrize("steps,drop_last,expected_per_epoch", [(4, False, 4), (1, False, 15), (4, True, 3)])
+@pytest.mark.parametrize("steps,drop_last,expected_per_epoch", [(4, False, 3), (1, False, 11), (4, True, 2)])
 def test_optimizer_scheduler_and_clipping_run_once_per_optimizer_step(tmp_path, steps, drop_last, expected_per_epoch):
-    # 1438 samples / micro-batch 100 = 15 micro-batches per epoch: ceil(15/K) steps, or with
-    # drop_last the whole global batches only: 1438 // (100 K).
+    # 1079 samples / micro-batch 100 = 11 micro-batches per epoch: ceil(11/K) steps, or with
+    # drop_last the whole global batches only: 1079 // (100 K).
     epochs = 2
     with (
         spy(torch.optim.AdamW, "step") as opt_step,
@@ -53,7 +53,7 @@ def test_optimizer_scheduler_and_clipping_run_once_per_optimizer_step(tmp_path, 
             "sched.warmup_steps=2",
         )
     total = epochs * expected_per_epoch
-    assert expected_per_epoch == (1438 // (100 * steps) if drop_last else math.ceil(15 / steps))
+    assert expected_per_epoch == (1079 // (100 * steps) if drop_last else math.ceil(11 / steps))
     assert opt_step.call_count == clip.call_count == total
     assert sched_step.call_count == total + 1  # LambdaLR also steps once when it is built
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, total + 1))
@@ -61,7 +61,7 @@ def test_optimizer_scheduler_and_clipping_run_once_per_optimizer_step(tmp_path, 
     for r in rows:
         assert r["lr"] == pytest.approx(3e-3 * warmup_cosine(r["step"] - 1, total_steps=total, warmup_steps=2))
     samples = [r["samples"] for r in rows]
-    assert samples[-1] == epochs * (1438 if not drop_last else expected_per_epoch * 100 * steps)
+    assert samples[-1] == epochs * (1079 if not drop_last else expected_per_epoch * 100 * steps)
 
 
 def test_max_steps_ends_the_run_mid_epoch(tmp_path):
@@ -117,7 +117,8 @@ def test_mnist_loads_from_data_root(tmp_path):
         "trainer.epochs=2",
         "data.batch_size=16",
     )
-    assert rows[-1]["step"] == 8 and rows[-1]["samples"] == 128 and 0 <= acc <= 1
+    # 64 training images: val a fixed 6 of them (10 %), 58 train (4 steps an epoch); test: the 16 of t10k.
+    assert rows[-1]["step"] == 8 and rows[-1]["samples"] == 2 * 58 and 0 <= acc <= 1
 
 
 def test_experiment_overlay(tmp_path):
@@ -158,9 +159,9 @@ def test_each_epoch_trains_another_order(tmp_path):
         "trainer.eval_every=1000",
     )
     losses = [[r["loss"] for r in rows if "loss" in r and math.ceil(r["epoch"]) == e] for e in (1, 2)]
-    assert len(losses[0]) == len(losses[1]) == 12 and losses[0] != losses[1]
+    assert len(losses[0]) == len(losses[1]) == 9 and losses[0] != losses[1]
     # The same samples: the epoch's summed loss (the last window is short: weigh by batch size).
-    sizes = [128] * 11 + [1438 - 11 * 128]
+    sizes = [128] * 8 + [1079 - 8 * 128]
     totals = [sum(loss * n for loss, n in zip(epoch, sizes, strict=True)) for epoch in losses]
     assert totals[0] == pytest.approx(totals[1], rel=1e-6)
 
@@ -222,6 +223,7 @@ def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
     # 1435 samples, K=3 x b=16: 29 windows of 48 and a short one of 43 (micro-batches 16, 16, 11).
     overrides = [
         "data.splits.val_fraction=0.2015",
+        "data.splits.test_fraction=0",  # no test split: 1797 - 362 validation samples train
         "data.batch_size=16",
         "accumulation.steps=3",
         "optim=sgd",
@@ -238,7 +240,7 @@ def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
         cfg = compose("train", overrides=overrides)
     seed_all(cfg.seed)
     model = instantiate(cfg.model)
-    train_set, _ = instantiate(cfg.data.splits)
+    train_set, *_ = instantiate(cfg.data.splits)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
     for step in (1, 30):
         x, y = train_set[order[(step - 1) * 48 : step * 48]]

@@ -89,9 +89,21 @@ def test_tensorboard_holds_the_rows_and_the_config_and_a_resume_appends(tmp_path
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2  # one file per attempt, in the run dir
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    logged = rows(tmp_path)
-    assert [r["step"] for r in logged] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm", "samples", "comm/grad_syncs", "epoch", "val/loss", "val/acc"):
+    logged = rows(tmp_path, test=True)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 4]  # the test row at the end, at the last step
+    keys = (
+        "loss",
+        "lr",
+        "grad_norm",
+        "samples",
+        "comm/grad_syncs",
+        "epoch",
+        "val/loss",
+        "val/acc",
+        "test/loss",
+        "test/acc",
+    )
+    for key in keys:
         want = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged if key in r]
         assert [(s.step, s.value) for s in events.Scalars(key)] == want, key  # each step once: no stale rows
     configs = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("config/text_summary")]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from helpers import ROOT, run_train
+from helpers import ROOT, final_test_row, run_train
+from helpers import rows as rows_of
 
 spec = importlib.util.spec_from_file_location("report", ROOT / "scripts" / "report.py")
 report = importlib.util.module_from_spec(spec)
@@ -78,7 +79,7 @@ def test_a_4_job_sweep_gives_one_dir_per_job_and_a_report_that_matches_its_metri
     assert (rows["3"]["overrides"], rows["3"]["status"], rows["3"]["steps"]) == ("accumulation.steps=0", "failed", "—")
     assert "- 3: accumulation.steps=0 must be null or a positive integer" in markdown
     for job, steps in zip(("0", "1", "2"), (1, 2, 4), strict=True):
-        metrics = [json.loads(line) for line in (sweep / job / "metrics.jsonl").read_text().splitlines()]
+        metrics = rows_of(sweep / job)  # training and validation rows; the test row: final_test_row
         row = rows[job]
         assert row["overrides"] == f"accumulation.steps={steps}"  # only what differs between the jobs
         assert row["status"] == "finished"
@@ -86,6 +87,7 @@ def test_a_4_job_sweep_gives_one_dir_per_job_and_a_report_that_matches_its_metri
         assert row["final loss"] == f"{metrics[-1]['loss']:.4f}"
         assert row["best val/acc"] == f"{max(r['val/acc'] for r in metrics):.4f}"
         assert row["final val/acc"] == f"{metrics[-1]['val/acc']:.4f}"
+        assert row["test/acc"] == f"{final_test_row(sweep / job)['test/acc']:.4f}"
         speeds = [r["samples_per_s"] for r in metrics]
         assert row["samples/s"] == f"{sum(speeds) / len(speeds):.0f}"
         assert row["syncs/step"] == "0.00"  # one process: no gradient all-reduce (DDP no_sync: 1.00)
@@ -142,6 +144,7 @@ def test_a_running_sweep_is_reported_as_far_as_each_job_got(tmp_path, capsys):
         "final loss": "1.5000",
         "best val/acc": "0.5000",
         "final val/acc": "0.5000",
+        "test/acc": "—",
         "samples/s": "300",
         "syncs/step": "1.00",
         "time": "",

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from helpers import assert_equal, compose_cfg, max_diff, rows, run_in_process
+from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process
 from trainkit.errors import ConfigError
 from trainkit.selection import Selection, monitored
 
@@ -24,6 +25,7 @@ RUN = [
     "trainer.eval_every=4",
     "trainer.log_every=4",
     "trainer.test=false",
+    "data.splits.test_fraction=0",  # the trajectory above is that of digits' 1438 training images
     "checkpoint.every=8",
     "accumulation.global_batch_size=16",
 ]
@@ -212,3 +214,27 @@ def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(bes
     best = {name: torch.load(d / "model_best.pt", weights_only=True) for name, d in (("a", straight), ("b", resumed))}
     assert_equal(best["a"], best["b"], "the best weights: copied from the source dir's best, not retrained")
     assert max_diff(best["a"], torch.load(best_runs["one"] / "model_best.pt", weights_only=True)) < ATOL
+
+
+def test_the_test_pass_evaluates_the_best_weights_not_the_last(tmp_path):
+    from hydra.utils import instantiate
+
+    run = tmp_path / "run"
+    overrides = [o for o in RUN if not o.startswith(("trainer.test", "data.splits.test", "trainer.max_steps"))]
+    overrides += ["trainer.max_steps=44", ONE]  # digits with its test split: the best step lies mid-run here
+    run_in_process(run, *overrides)
+    best_step, _ = expected_best(run)
+    assert best_step < 44
+    row = final_test_row(run)
+    cfg = compose_cfg(*overrides)
+    x, y = instantiate(cfg.data.splits)[2].tensors
+    measured = {}
+    for name in ("model_best.pt", "model.pt"):
+        model = instantiate(cfg.model)
+        model.load_state_dict(torch.load(run / name, weights_only=True))
+        with torch.no_grad():
+            logits = model.eval()(x)
+        measured[name] = (F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item())
+    assert measured["model_best.pt"] != measured["model.pt"]  # the check below can tell them apart
+    assert row["test/acc"] == measured["model_best.pt"][1]
+    assert row["test/loss"] == pytest.approx(measured["model_best.pt"][0], rel=1e-6)  # float32 sums in other orders

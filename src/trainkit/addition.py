@@ -9,8 +9,8 @@ a 2-layer GPT learned 3x3 problems but not 2x2 ones: 0.10 exact match after 3000
 The model reads the sequence shifted by one; only the answer tokens and the end token bear a
 loss (targets elsewhere are IGNORE). Batches are padded to their longest sequence.
 
-The train and val splits are fixed and disjoint, the same for every seed, and stratified by
-operand-length pair: every pair gets its share of both splits (drawn naively, all 100 one-digit
+The train, val and test splits are fixed and disjoint, the same for every seed, and stratified by
+operand-length pair: every pair gets its share of each split (drawn naively, all 100 one-digit
 + one-digit problems would land in training and the val score would hide them).
 """
 
@@ -95,9 +95,15 @@ def _population(digits: int) -> tuple[int, int]:
 
 
 def splits(
-    max_digits: int = 3, num_train: int = 20000, num_val: int = 1800, block_size: int | None = None
-) -> tuple[Problems, Problems]:
-    """Disjoint train/val problems, stratified by operand-length pair, independent of the seed.
+    max_digits: int = 3,
+    num_train: int = 20000,
+    num_val: int = 1800,
+    block_size: int | None = None,
+    num_test: int = 0,
+) -> tuple[Problems, Problems, Problems]:
+    """Disjoint train/val/test problems, each stratified by operand-length pair, independent of the
+    seed. Val's and test's shares are reserved first (each at most half of what a pair has left, so
+    a small pair such as 1+1 has problems in both), training takes its share of the rest.
     `block_size` (the model's context, data.block_size): refused when the longest problem is longer."""
     if not (isinstance(max_digits, int) and 1 <= max_digits <= 6):
         raise ConfigError(f"data.max_digits={max_digits} must be an integer from 1 to 6")
@@ -106,28 +112,34 @@ def splits(
             f"data.block_size={block_size} is shorter than the longest problem of data.max_digits={max_digits} "
             f"({longest_input(max_digits)} tokens)"
         )
-    for key, value in (("data.num_train", num_train), ("data.num_val", num_val)):
+    for key, value in (("data.num_train", num_train), ("data.num_val", num_val), ("data.num_test", num_test)):
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}={value} must be an integer >= 0")
     lengths = list(itertools.product(range(1, max_digits + 1), repeat=2))
     sizes = [np.prod([np.subtract(*_population(n)[::-1]) for n in pair]) for pair in lengths]
-    if num_train + num_val > sum(sizes):
+    if num_train + num_val + num_test > sum(sizes):
         raise ConfigError(
-            f"data.num_train + data.num_val = {num_train + num_val} exceeds the "
+            f"data.num_train + data.num_val + data.num_test = {num_train + num_val + num_test} exceeds the "
             f"{sum(sizes)} problems with up to data.max_digits={max_digits} digits"
         )
-    val, train = _shares(num_val, sizes, [s // 2 for s in sizes]), [0] * len(sizes)
-    train = _shares(num_train, sizes, [s - v for s, v in zip(sizes, val, strict=True)])
+    val = _shares(num_val, sizes, [s // 2 for s in sizes])
+    test = _shares(num_test, sizes, [(s - v) // 2 for s, v in zip(sizes, val, strict=True)])
+    train = _shares(num_train, sizes, [s - v - t for s, v, t in zip(sizes, val, test, strict=True)])
     rng = np.random.default_rng(_SPLIT_SEED)
-    parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    for (da, db), size, n_val, n_train in zip(lengths, sizes, val, train, strict=True):
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
+    for (da, db), size, n_val, n_test, n_train in zip(lengths, sizes, val, test, train, strict=True):
         (a_low, a_high), (b_low, _) = _population(da), _population(db)
-        chosen = rng.choice(int(size), size=n_val + n_train, replace=False)
+        chosen = rng.choice(int(size), size=n_val + n_test + n_train, replace=False)  # distinct: disjoint splits
         a, b = a_low + chosen % (a_high - a_low), b_low + chosen // (a_high - a_low)
         pairs = np.stack([a, b], axis=1)
         parts["val"].append(pairs[:n_val])
-        parts["train"].append(pairs[n_val:])
-    return Problems(np.concatenate(parts["train"])), Problems(np.concatenate(parts["val"]))
+        parts["test"].append(pairs[n_val : n_val + n_test])
+        parts["train"].append(pairs[n_val + n_test :])
+    return (
+        Problems(np.concatenate(parts["train"])),
+        Problems(np.concatenate(parts["val"])),
+        Problems(np.concatenate(parts["test"])),
+    )
 
 
 def _shares(total: int, sizes: list[int], caps: list[int]) -> list[int]:

@@ -115,6 +115,17 @@ class Checkpointer:
             return None
         return self._read(path)["progress"]["step"]
 
+    def write_best(self, model, step: int, path: Path) -> list[Path]:
+        """Load checkpoints/best's weights into `model` and write them, full, to `path` (model_best.pt):
+        [path], or [] and a warning when checkpoints/best is not step `step`'s (see load_best)."""
+        if not self.load_best(model, step):
+            self.d.print0(f"warning: {self.best} is not step {step}'s: no {path.name}")
+            return []
+        weights = full_state_dict(model)  # FSDP: every rank joins, rank 0 gets them
+        if self.d.is_main:
+            torch.save(weights, path)
+        return [path]
+
     def load_best(self, model, step: int, entry: str = "model") -> bool:
         """Load checkpoints/best's weights (its `entry`: "model", or an average of them) into `model`
         (unwrapped; FSDP: its shards, through DCP) if it holds step `step`, the run's best. False,

@@ -1,6 +1,7 @@
 """Datasets and samplers: the train split is sharded by DistributedSampler, evaluation by
 contiguous shards that never pad or repeat a sample."""
 
+import copy
 import itertools
 import math
 from collections.abc import Iterable
@@ -9,7 +10,7 @@ from typing import cast
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 from torch.utils.data.dataloader import default_collate
 
 from trainkit.dist import Dist
@@ -34,24 +35,31 @@ class InMemory(TensorDataset):
         return list(zip(*(tensor[indices] for tensor in self.tensors), strict=True))
 
 
-def digits(val_fraction: float = 0.2) -> tuple[Dataset, Dataset]:
-    """scikit-learn's bundled 8x8 digits, scaled to [0, 1]; a fixed split, whatever the seed."""
+def digits(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
+    """scikit-learn's bundled 8x8 digits, scaled to [0, 1]: (train, val, test), a fixed split whatever
+    the seed. One fixed permutation: val is its first `val_fraction` (the same images as before the
+    test split existed), test the next `test_fraction`, train the rest; never overlapping."""
     from sklearn.datasets import load_digits
 
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(
-            f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1 (1 leaves no training samples)"
-        )
+    for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"data.splits.{key}={value} must be >= 0 and < 1")
     images, targets = load_digits(return_X_y=True)
     order = np.random.RandomState(0).permutation(len(targets))
-    n_val = round(len(targets) * val_fraction)
+    n_val, n_test = round(len(targets) * val_fraction), round(len(targets) * test_fraction)
+    if n_val + n_test >= len(targets):
+        raise ConfigError(
+            f"data.splits.val_fraction={val_fraction} + test_fraction={test_fraction} leave no training samples"
+        )
     x = torch.tensor(images[order] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8)
     y = torch.tensor(targets[order], dtype=torch.long)
-    return InMemory(x[n_val:], y[n_val:]), InMemory(x[:n_val], y[:n_val])
+    held = n_val + n_test
+    return InMemory(x[held:], y[held:]), InMemory(x[:n_val], y[:n_val]), InMemory(x[n_val:held], y[n_val:held])
 
 
-def fake(train_size: int, val_size: int, shape, num_classes: int) -> tuple[Dataset, Dataset]:
-    """torchvision FakeData; the validation images are other images than the training ones."""
+def fake(train_size: int, val_size: int, shape, num_classes: int, test_size: int = 0) -> tuple[Dataset, ...]:
+    """torchvision FakeData: (train, val, test), each other images (FakeData seeds image i from
+    i + random_offset: the offsets 0, train_size and train_size + val_size never overlap)."""
     from torchvision import datasets, transforms
 
     def split(size, offset):
@@ -59,7 +67,7 @@ def fake(train_size: int, val_size: int, shape, num_classes: int) -> tuple[Datas
         dataset.draws_random = False  # it seeds (index + offset) itself and puts the state back
         return dataset
 
-    return split(train_size, 0), split(val_size, train_size)
+    return split(train_size, 0), split(val_size, train_size), split(test_size, train_size + val_size)
 
 
 _NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)), "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
@@ -76,25 +84,44 @@ def _augmentation(name: str) -> list:
     raise ConfigError(f"data.augment=true: no augmentation is defined for {name} (only CIFAR10)")
 
 
-def torchvision_splits(name: str, root: str, download: bool, augment: bool = False) -> tuple[Dataset, Dataset]:
-    """A torchvision classification set (MNIST, CIFAR10) read from `root`; `augment`: random
-    augmentation of the training split (the validation split is never augmented)."""
+def carve(num_samples: int, val_fraction: float) -> tuple[list[int], list[int]]:
+    """(train, val) indices of an official training set: val is the first `val_fraction` of a fixed
+    permutation (numpy's RandomState(0), whatever the run's seed), train the rest, each in file order."""
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1")
+    order = np.random.RandomState(0).permutation(num_samples)
+    n_val = round(num_samples * val_fraction)
+    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+
+def torchvision_splits(
+    name: str, root: str, download: bool, augment: bool = False, val_fraction: float = 0.1
+) -> tuple[Dataset, Dataset, Dataset]:
+    """A torchvision classification set (MNIST, CIFAR10) read from `root`: (train, val, test). test is
+    the official test set; val is carved from the official training set (`carve`: a fixed 10 %), so
+    model selection never sees the test set. `augment`: random augmentation of the training split
+    (val and test are never augmented)."""
     from torchvision import datasets, transforms
 
     tensor = [transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])]
     train_transform = transforms.Compose((_augmentation(name) if augment else []) + tensor)
+    plain = transforms.Compose(tensor)
     try:
-        splits = tuple(
-            getattr(datasets, name)(root, train=train, download=download, transform=transform)
-            for train, transform in ((True, train_transform), (False, transforms.Compose(tensor)))
+        train, test = (
+            getattr(datasets, name)(root, train=is_train, download=download, transform=transform)
+            for is_train, transform in ((True, train_transform), (False, plain))
         )
     except RuntimeError:  # torchvision: "Dataset not found or corrupted. You can use download=True..."
         raise ConfigError(
             f"data.root={root} holds no {name} data: put the files there, point data.root "
             f"(or $TRAINKIT_DATA) at them, or pass data.download=true"
         ) from None
-    for split, draws in zip(splits, (augment, False), strict=True):
-        split.draws_random = draws  # without augmentation the files alone: no per-sample seeding to pay
+    carved = copy.copy(train)  # the same images in memory, read without the augmentation
+    carved.transform = plain
+    train_idx, val_idx = carve(len(train), val_fraction)
+    splits = (Subset(train, train_idx), Subset(carved, val_idx), test)
+    for split, draws in zip(splits, (augment, False, False), strict=True):
+        split.draws_random = draws  # without augmentation: no per-sample seeding to pay
     return splits
 
 

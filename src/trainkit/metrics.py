@@ -25,6 +25,11 @@ def timed_by(other):
         clock = saved
 
 
+def is_test_row(row: dict) -> bool:
+    """The row of the test pass at the end of a run (test/loss, test/acc, ...)."""
+    return any(key.startswith("test/") for key in row)
+
+
 class MetricsLogger:
     """Rank 0's logger. Use as a context manager: W&B's finish() runs even when training fails."""
 
@@ -32,10 +37,12 @@ class MetricsLogger:
         path = Path(run_dir) / "metrics.jsonl"
         # A fresh run starts the file anew (a previous attempt that died before its first
         # checkpoint left rows of steps that will be trained again); a resumed one keeps the rows
-        # up to its checkpoint: those past it will be logged again.
+        # up to its checkpoint: those past it will be logged again, and the test row (trainer.test), which
+        # every run that ends writes: a finished run resumed again has it once.
         kept = []
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            rows = [(line, json.loads(line)) for line in path.read_text().splitlines()]
+            kept = [line for line, row in rows if row["step"] <= resume_step and not is_test_row(row)]
         path.write_text("".join(line + "\n" for line in kept))
         self.file = open(path, "a")  # noqa: SIM115 (a long-lived handle, closed in __exit__)
         self.wandb = _start_wandb(run_dir, cfg, wandb_id) if cfg.logger.name == "wandb" else None

@@ -207,7 +207,8 @@ class LanguageModel:
 
 @dataclass
 class Data:
-    """The keys train.py reads from every data set; `splits` builds its (train, val) datasets."""
+    """The keys train.py reads from every data set; `splits` builds its (train, val, test) datasets
+    (a data set of one's own may return (train, val): it has no test split)."""
 
     name: str = MISSING
     splits: Any = MISSING
@@ -224,6 +225,7 @@ class Data:
 class DigitsSplits:
     _target_: str = MISSING
     val_fraction: float = 0.2
+    test_fraction: float = 0.2
 
 
 @dataclass
@@ -238,6 +240,7 @@ class FakeSplits:
     val_size: int = MISSING
     shape: list[int] = MISSING
     num_classes: int = MISSING
+    test_size: int = 0
 
 
 @dataclass
@@ -252,6 +255,7 @@ class TorchvisionSplits:
     root: str = MISSING
     download: bool = False
     augment: bool = False
+    val_fraction: float = 0.1  # carved from the official training set; test: the official test set
 
 
 @dataclass
@@ -269,6 +273,7 @@ class AdditionSplits:
     num_train: int = MISSING
     num_val: int = MISSING
     block_size: int | None = None
+    num_test: int = 0
 
 
 @dataclass
@@ -277,6 +282,7 @@ class Addition(Data):
     max_digits: int = 3
     num_train: int = 20000
     num_val: int = 1800
+    num_test: int = 1800
     vocab_size: int = MISSING
     block_size: int = MISSING
 

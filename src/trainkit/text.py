@@ -4,7 +4,8 @@ Every Python installation ships `pydoc_data.topics` (what `help("for")` prints):
 real English prose and code, 465k characters under Python 3.11. Documents are taken in the order of
 their names; the split is by document, fixed and seed-independent: in the order of the SHA-256 of
 their names, a document joins the validation split while that split stays within 10 % of the
-characters (20 of 79 documents, 10.0 % of the characters under 3.11); the rest train.
+characters (20 of 79 documents, 10.0 % of the characters under 3.11), then another the test split
+while that stays within 10 % (of the documents left); the rest train.
 
 A sample is a block of `block_size` input characters and the `block_size` characters that follow
 each (next-character targets). A block never crosses its document's end: one that reaches it is
@@ -35,7 +36,8 @@ from trainkit.data import InMemory
 from trainkit.errors import ConfigError
 
 VOCAB_FILE = "vocab.json"  # in the run dir
-VAL_SHARE = 0.1  # at most this share of the characters is held out
+VAL_SHARE = 0.1  # at most this share of the characters is held out for validation
+TEST_SHARE = 0.1  # and at most this share, of other documents, for the test split
 
 
 @dataclass(frozen=True)
@@ -102,14 +104,26 @@ def vocab_size() -> int:
     return vocabulary().size
 
 
-def split_names(docs: dict[str, str]) -> tuple[list[str], list[str]]:
-    """(train, val) document names, each in corpus order: fixed by the names and lengths alone."""
-    budget, held, val = VAL_SHARE * sum(map(len, docs.values())), 0, set()
-    for name in sorted(docs, key=lambda n: hashlib.sha256(n.encode()).hexdigest()):
-        if held + len(docs[name]) <= budget:
-            val.add(name)
-            held += len(docs[name])
-    return [n for n in docs if n not in val], [n for n in docs if n in val]
+def split_names(docs: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """(train, val, test) document names, each in corpus order: fixed by the names and lengths alone.
+    In the order of the names' SHA-256, a document joins val while val stays within VAL_SHARE of the
+    characters (the val documents of before the test split existed), then, of the documents left, test
+    while it stays within TEST_SHARE; the rest train."""
+    budget = {"val": VAL_SHARE * sum(map(len, docs.values())), "test": TEST_SHARE * sum(map(len, docs.values()))}
+    held: dict[str, set[str]] = {"val": set(), "test": set()}
+    ordered = sorted(docs, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
+    for split in ("val", "test"):
+        total = 0
+        for name in ordered:
+            if name not in held["val"] and total + len(docs[name]) <= budget[split]:
+                held[split].add(name)
+                total += len(docs[name])
+    kept = held["val"] | held["test"]
+    return (
+        [n for n in docs if n not in kept],
+        [n for n in docs if n in held["val"]],
+        [n for n in docs if n in held["test"]],
+    )
 
 
 class _Split:
@@ -177,22 +191,24 @@ def is_text_run(run_cfg) -> bool:
     return run_cfg.data.get("splits", {}).get("_target_") == f"{__name__}.splits"
 
 
-def splits(block_size: int = 64, random_offsets: bool = True) -> tuple[Blocks | RandomBlocks, Blocks]:
-    """The train and val blocks of the running Python's corpus (train: RandomBlocks, or tiles where
-    not `random_offsets`; val: always every character once, in tiles); the train split carries the
-    corpus's checksum (`identity`), the vocabulary (`files`) and the split's document names (`summary`)."""
+def splits(block_size: int = 64, random_offsets: bool = True) -> tuple[Blocks | RandomBlocks, Blocks, Blocks]:
+    """The train, val and test blocks of the running Python's corpus (train: RandomBlocks, or tiles
+    where not `random_offsets`; val and test: always every character once, in tiles); the train split
+    carries the corpus's checksum (`identity`), the vocabulary (`files`) and the splits' document names
+    (`summary`). The vocabulary is the whole corpus's, so it covers the held-out documents too."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ConfigError(f"data.block_size={block_size} must be an integer >= 2")
     docs, vocab = documents(), vocabulary()
-    train_names, val_names = split_names(docs)
+    train_names, val_names, test_names = split_names(docs)
     train = (RandomBlocks if random_offsets else Blocks)(docs, train_names, vocab, block_size)
-    val = Blocks(docs, val_names, vocab, block_size)
+    val, test = (Blocks(docs, names, vocab, block_size) for names in (val_names, test_names))
     digest = checksum(docs)
     train.identity = {"data.corpus": {"sha256": digest, "source": source()}}  # compared by sha256 alone
     train.files = {VOCAB_FILE: vocab.to_json(source())}
     train.summary = (
         f"data: {source()} (sha256 {digest[:12]}), {len(docs)} documents, "
         f"{sum(map(len, docs.values())):,} characters, vocabulary {vocab.size}; train {len(train_names)} documents "
-        f"({train.characters:,} characters), val {len(val_names)} ({val.characters:,}): {', '.join(val_names)}"
+        f"({train.characters:,} characters), val {len(val_names)} ({val.characters:,}): {', '.join(val_names)}; "
+        f"test {len(test_names)} ({test.characters:,}): {', '.join(test_names)}"
     )
-    return train, val
+    return train, val, test

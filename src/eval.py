@@ -1,0 +1,93 @@
+"""Evaluate a finished training run: `python src/eval.py run_dir=outputs/<date>/<time> [split=test|val|train]
+[weights=last|best|ema|<path>]` or `torchrun --nproc_per_node=N src/eval.py run_dir=...`. Config: conf/eval.yaml.
+
+Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads the weights (model.pt, model_best.pt,
+model_ema.pt or a file), evaluates the split with train.py's own `evaluate` (each rank a contiguous
+shard, all-reduced sums: every sample once, at any N), and rank 0 writes metrics.json
+({"test/loss": ..., "test/acc": ...}, named by the split) into this job's run dir and prints it: the
+numbers train.py logged for those weights and that split.
+
+An entry point of its own, not a mode of predict.py: predict writes per-sample predictions (and
+samples from a text run, whose split it never evaluates); this writes the training metrics alone,
+for every data set (text runs too), of any of the run's weights.
+"""
+
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from trainkit import config, dist, heldout, text
+from trainkit.errors import ConfigError, user_error
+from trainkit.evaluate import evaluate
+from trainkit.halving import EvalBatches
+from trainkit.precision import autocast_for
+from trainkit.rundir import load_run_config, load_weights, weights_path
+from trainkit.text import Vocabulary
+
+
+def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
+    """Check the settings (before the process group: every rank fails alike), join the process group,
+    evaluate, write metrics.json into `out_dir` (rank 0)."""
+    run_cfg = load_run_config(cfg, "eval", heldout.SPLITS)
+    run_dir = Path(cfg.run_dir)
+    weights = weights_path(run_dir, str(cfg.weights))
+    vocab = Vocabulary.load(run_dir)
+    if vocab is not None:  # a text run: its vocabulary must be this Python's corpus's (the split is rebuilt here)
+        if vocab != text.vocabulary():
+            raise ConfigError(f"run_dir={run_dir}: its {text.VOCAB_FILE} is not this Python's corpus's vocabulary")
+        run_cfg.data.vocab_size = vocab.size
+    d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+    with d.rank0_first():  # rank 0 prepares (downloads) the data first
+        splits = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)
+    dataset = splits[heldout.SPLITS.index(cfg.split)]
+    if dataset is None:
+        raise ConfigError(
+            f"split=test: data={run_cfg.data.name} of {run_dir} has no test split (its data.splits returns train, val)"
+        )
+    if len(dataset) == 0:
+        raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
+    batch_size = cfg.batch_size or run_cfg.data.batch_size
+    auto = batch_size == "auto"  # the run searched its micro-batch: start where its search started, halve alike
+    if auto:
+        batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
+    batches = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto)
+    model = instantiate(run_cfg.model)
+    load_weights(model, weights)
+    precision = cfg.trainer.precision or run_cfg.trainer.precision
+    d.print0(
+        f"eval | run dir {run_dir} | weights {weights} | split={cfg.split} ({len(dataset)} samples) | "
+        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank, {precision} | writing to {out_dir}"
+    )
+    task = instantiate(run_cfg.task)
+    metrics = evaluate(model.to(d.device), batches, d, autocast_for(precision, d.device), task, prefix=cfg.split)
+    batches.check()
+    if d.is_main:
+        config.save(cfg, out_dir)
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    d.print0(json.dumps(metrics))
+    d.print0(f"done: {heldout.line(metrics, cfg.split)}; wrote {out_dir / 'metrics.json'}")
+    dist.teardown(finished=True)  # before the interpreter exits, see teardown
+    return metrics
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        eval_run(cfg, out_dir)
+    except Exception as error:
+        if (known := user_error(error)) is None:
+            raise
+        if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
+            config.remove_if_empty(out_dir)
+        dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    config.run_cli(main)

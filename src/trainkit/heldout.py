@@ -1,0 +1,41 @@
+"""The test split (trainer.test): what data.splits returns, unpacked, and how the test pass is said.
+
+Every built-in data set returns (train, val, test); a data set of one's own may still return (train,
+val), as before the test split existed: it trains as it did, its test split is None, and the run says
+once that it makes no test pass (an error would break every fork's two-split function for a key that
+is on by default). The test pass itself is train.py's `evaluate(..., prefix="test")` over the test
+split's EvalBatches: the validation machinery, so every test sample counts once at any world size.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+SPLITS = ("train", "val", "test")  # the order of what data.splits returns
+
+
+def unpack(splits: Sequence[Any], name: str) -> tuple[Any, Any, Any | None]:
+    """(train, val, test) of data.splits' value; test is None for a (train, val) pair."""
+    if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
+        raise TypeError(f"data.splits of data={name} must return (train, val) or (train, val, test)")
+    train, val, *rest = splits
+    return train, val, (rest[0] if rest else None)
+
+
+def skipped(test_set: Any | None, name: str) -> str | None:
+    """Why a run with trainer.test=true makes no test pass (said once at its start), or None when it makes one."""
+    if test_set is None:
+        return f"trainer.test: data={name} has no test split (its data.splits returns train, val): no test pass"
+    if len(test_set) == 0:
+        return f"trainer.test: the test split of data={name} is empty: no test pass"
+    return None
+
+
+def size(test_set: Any | None) -> str:
+    """The start-up line's `T test`."""
+    return "no test" if test_set is None else f"{len(test_set)} test"
+
+
+def line(metrics: dict[str, float], split: str = "test") -> str:
+    """`test loss ... | test acc ...` (and bits per character for text) of evaluate's metrics."""
+    text = f"{split} loss {metrics[f'{split}/loss']:.4f} | {split} acc {metrics[f'{split}/acc']:.4f}"
+    return text + (f" | {metrics[f'{split}/bpc']:.3f} bits/char" if f"{split}/bpc" in metrics else "")

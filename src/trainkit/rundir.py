@@ -1,0 +1,56 @@
+"""A finished training run, read back by src/predict.py and src/eval.py: its composed config and its
+weights (model.pt, model_best.pt, model_ema.pt or a file), with one-line errors for what is missing.
+Shared here because no entry point imports another."""
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainkit.checkpoint import load_model
+from trainkit.errors import ConfigError
+
+WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # weights=<name>: in the run dir
+
+
+def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> DictConfig:
+    """The training run's composed config; one-line errors for what is missing or wrong."""
+    if OmegaConf.is_missing(cfg, "run_dir"):
+        raise ConfigError(f"run_dir is required: python src/{script}.py run_dir=<dir of a training run>")
+    run_dir = Path(cfg.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run_dir={run_dir} does not exist")
+    for name in (".hydra/config.yaml", "model.pt"):  # model.pt appears when training has finished
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"run_dir={run_dir} has no {name}: not a finished training run")
+    if cfg.split not in splits:
+        raise ConfigError(f"split={cfg.split} is not one of: {', '.join(splits)}")
+    if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
+        raise ConfigError(f"batch_size={cfg.batch_size} must be null or a positive integer")
+    run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    if not isinstance(run_cfg, DictConfig):
+        raise ConfigError(f"run_dir={run_dir}: .hydra/config.yaml is not a training run's config")
+    return run_cfg
+
+
+def weights_path(run_dir: Path, weights: str) -> Path:
+    """weights=last|best|ema (the run dir's model.pt, model_best.pt, model_ema.pt) or a path."""
+    path = Path(run_dir) / WEIGHTS[weights] if weights in WEIGHTS else Path(weights)
+    if not path.is_file():
+        why = {
+            "best": ": the run kept no best checkpoint (checkpoint.monitor=null, or no evaluation)",
+            "ema": ": the run kept no EMA (trainer.ema.decay=null)",
+        }.get(weights, "")
+        raise ConfigError(f"weights={weights}: {path} does not exist{why}")
+    return path
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")  # never unpickle code
+    except Exception as error:
+        # torch's message runs over many lines; the type is enough to tell corrupt from unsafe.
+        raise ConfigError(
+            f"{path} is no state_dict that torch.load(weights_only=True) reads ({type(error).__name__})"
+        ) from None
+    load_model(model, state, f"{path} (the run's model config)")

@@ -2,7 +2,7 @@
 
 Single / DDP: `checkpoints/step_<N>.pt`, written by rank 0 as `<name>.tmp`, fsynced, then
 renamed. FSDP: the directory `checkpoints/step_<N>/`, written as `step_<N>.tmp/`: every rank
-writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP,
+writes its shards of the model, optimizer and EMA state with torch.distributed.checkpoint (DCP,
 whose `.metadata`, written last by rank 0, commits the shard files), rank 0 adds `state.pt`
 (everything else) and renames the directory. Either way the rename is the commit marker, so a
 crash mid-save leaves the previous checkpoint as the newest complete one. Old checkpoints are
@@ -39,6 +39,8 @@ from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+# The entries of a state that hold DTensors under FSDP: each rank writes its shards (DCP); the EMA's "ema".
+SHARDED = ("model", "optimizer", "ema")
 
 
 def complete(directory: Path) -> list[Path]:
@@ -100,11 +102,9 @@ class Checkpointer:
         # DTensor: BatchNorm buffers) once, here from rank 0, whose buffers model.pt keeps too.
         # dcp.save returns on rank 0 after every rank's write finished (DCP gathers their
         # results before rank 0 writes .metadata): that is the barrier before the rename.
-        dcp.save(
-            {"model": state.pop("model"), "optimizer": state.pop("optimizer")},
-            checkpoint_id=tmp,
-            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-        )
+        sharded = {key: state.pop(key) for key in SHARDED if state.get(key) is not None}
+        dcp.save(sharded, checkpoint_id=tmp, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        state["sharded_entries"] = list(sharded)  # what _read finds in the shards
         if self.d.is_main:
             _write(tmp / "state.pt", state)
             _fsync_dir(tmp)
@@ -168,7 +168,23 @@ class Checkpointer:
             raise OSError(f"no .metadata in {path}")
         state = torch.load(path / "state.pt" if sharded else path, map_location="cpu", weights_only=True)
         state["path"], state["sharded"] = str(path), sharded
+        for key in state.pop("sharded_entries", ()):
+            if key not in ("model", "optimizer"):  # restore() loads those two
+                state[key] = ShardedEntry(path, key)
         return state
+
+
+class ShardedEntry:
+    """An entry of a DCP checkpoint beside the model and optimizer (the EMA): what `_read` puts in its
+    place; `load(like)` reads it into `like`, this run's state_dict of it, in place (its DTensors
+    resharded to this run's world size). Every rank must call it."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+
+    def load(self, like: dict) -> dict:
+        dcp.load({self.key: like}, checkpoint_id=self.path)  # pickled .metadata: trusted checkpoints only
+        return like
 
 
 def _step(path: Path) -> int:

@@ -1,7 +1,8 @@
 """Predict with a finished training run: `python src/predict.py run_dir=outputs/<date>/<time>` or
 `torchrun --nproc_per_node=N src/predict.py run_dir=...`. Config: conf/predict.yaml.
 
-Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt, predicts
+Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt (weights=ema:
+model_ema.pt, the EMA of the weights; best: model_best.pt; or a path), predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
 predictions.csv and metrics.json into this job's own run dir: the same files for any N.
 
@@ -31,6 +32,8 @@ from trainkit.precision import autocast_for
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
 
+# weights=: the run's file of that name, else a path to a state_dict of the run's model.
+WEIGHTS = {"last": "model.pt", "ema": "model_ema.pt", "best": "model_best.pt"}
 SPLITS = ("train", "val")  # the order of the (train, val) pair that data.splits returns
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
@@ -46,6 +49,12 @@ def load_run_config(cfg: DictConfig) -> DictConfig:
     for name in (".hydra/config.yaml", "model.pt"):  # model.pt appears when training has finished
         if not (run_dir / name).is_file():
             raise ConfigError(f"run_dir={run_dir} has no {name}: not a finished training run")
+    if not (weights := weights_file(cfg)).is_file():
+        writes = {
+            "ema": ": a run with trainer.ema.decay writes it",
+            "best": ": a run with checkpoint.monitor writes it",
+        }
+        raise ConfigError(f"weights={cfg.weights}: {weights} does not exist{writes.get(cfg.weights, '')}")
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of: {', '.join(SPLITS)}")
     if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
@@ -54,6 +63,11 @@ def load_run_config(cfg: DictConfig) -> DictConfig:
     if not isinstance(run_cfg, DictConfig):
         raise ConfigError(f"run_dir={run_dir}: .hydra/config.yaml is not a training run's config")
     return run_cfg
+
+
+def weights_file(cfg: DictConfig) -> Path:
+    """weights=last|ema|best: model.pt, model_ema.pt (the EMA of the weights), model_best.pt; else a path."""
+    return Path(cfg.run_dir) / WEIGHTS[cfg.weights] if cfg.weights in WEIGHTS else Path(cfg.weights)
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -119,10 +133,10 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     # Contiguous shards: every sample exactly once, and rank order is dataset order.
     loader = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto, what="prediction")
     model = instantiate(run_cfg.model)
-    load_weights(model, run_dir / "model.pt")
+    load_weights(model, weights_file(cfg))
     d.print0(
-        f"predict | run dir {run_dir} | split={cfg.split} ({len(dataset)} samples) | {d.world_size} "
-        f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
+        f"predict | run dir {run_dir} ({weights_file(cfg).name}) | split={cfg.split} ({len(dataset)} samples) | "
+        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
     )
 
     if isinstance(instantiate(run_cfg.task), LanguageModel):  # sequences: greedy decoding of answers
@@ -151,11 +165,11 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.
     run_dir = Path(cfg.run_dir)
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
     model = instantiate(run_cfg.model)
-    load_weights(model, run_dir / "model.pt")
+    load_weights(model, weights_file(cfg))
     d.print0(
-        f"sample | run dir {run_dir} | {cfg.num_samples} sample(s) of {cfg.max_new_tokens} characters, "
-        f"temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | {d.world_size} rank(s) on "
-        f"{d.device} | writing to {out_dir}"
+        f"sample | run dir {run_dir} ({weights_file(cfg).name}) | {cfg.num_samples} sample(s) of "
+        f"{cfg.max_new_tokens} characters, temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | "
+        f"{d.world_size} rank(s) on {d.device} | writing to {out_dir}"
     )
     texts = sampling.samples(
         model.to(d.device), cfg.prompt, cfg, vocab, d, autocast_for(cfg.trainer.precision, d.device)

@@ -87,7 +87,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
-    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: of each rank's shards); null: off
+    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision

@@ -126,7 +126,9 @@ class EMA:
         one the average starts from the current (resumed) weights; with the EMA off it is ignored."""
         if not self.enabled:
             if state is not None:
-                self.d.print0("checkpoint.resume: the checkpoint's EMA of the weights is ignored (trainer.ema.decay=null)")
+                self.d.print0(
+                    "checkpoint.resume: the checkpoint's EMA of the weights is ignored (trainer.ema.decay=null)"
+                )
             return
         if state is None:
             self.d.print0(

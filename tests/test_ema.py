@@ -69,8 +69,19 @@ def _fsdp_update_without_a_process_group(rank, world_size):
     model(torch.randn(4, 6) + rank).sum().backward()
     optimizer.step()
     model.eval()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))  # the same on both ranks
     with torch.no_grad():
-        model(torch.randn(2, 6))
+        live_out = model(x)  # the root keeps its gathered parameters after it
+        with ema.applied(model):
+            ema_out = model(x)
+        after_out = model(x)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).eval()
+    reference.load_state_dict({k: a.full_tensor() for k, a in ema.average.items()} | ema.buffer_copy)
+    forwards = {
+        "average": torch.allclose(ema_out, reference(x), rtol=1e-6, atol=1e-6),  # float32 rounding of one forward
+        "live after": torch.equal(after_out, live_out),
+        "differ": not torch.allclose(ema_out, live_out),
+    }
     layout = [
         isinstance(a, DTensor) and a.placements == p.placements and a.device_mesh == p.device_mesh
         for a, p in zip(ema.average.values(), params, strict=True)
@@ -82,6 +93,7 @@ def _fsdp_update_without_a_process_group(rank, world_size):
     with ema.applied(model):  # the swap needs none either (reshard frees the root's gathered copy)
         swapped = [p.to_local().clone() for p in params]
     return {
+        "forwards": forwards,
         "layout": layout,
         "update": [
             torch.allclose(a.to_local(), torch.lerp(b, p, 0.9), rtol=0, atol=1e-7)  # lerp: float32 rounding
@@ -97,6 +109,7 @@ def test_fsdp_keeps_the_average_on_each_ranks_shards_and_updates_it_without_comm
     ranks = run_distributed(_fsdp_update_without_a_process_group, 2)
     for result in ranks:
         assert all(result["layout"]), result  # DTensors of the parameters' mesh and placements
+        assert all(result["forwards"].values()), result  # a forward under applied() uses the average, then the live
         assert all(result["update"]) and all(result["swapped"]) and all(result["restored"]), result
     # Each rank's own shards (dim 0 split as torch.chunk does: the last layer's 3 rows as 2 + 1).
     assert [r["shard_sizes"] for r in ranks] == [[4, 4, 4, 4, 2, 2], [4, 4, 4, 4, 1, 1]]

@@ -249,7 +249,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         val = evaluation()
         val_batches.check()
     final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
-    final_ema = ema.full_state_dict(unwrap(model))  # the average's, alike; {}: EMA off
+    final_ema = ema.full_state_dict(unwrap(model)) if ema.enabled else {}  # the average's, gathered alike
     if d.is_main:
         if final_ema:  # before model.pt, which marks a finished run
             torch.save(final_ema, run_dir / "model_ema.pt")

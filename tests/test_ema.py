@@ -50,6 +50,9 @@ def test_the_nth_update_decays_by_min_decay_and_the_warm_up_and_buffers_are_copi
     assert_equal(dict(model.state_dict()), live, "live weights back")
     assert_equal({k: inside[k] for k in ema.average}, ema.average, "the average inside")
     assert_equal({k: inside[k] for k in ema.buffer_copy}, ema.buffer_copy, "its buffers inside")
+    # full_state_dict: the weights the evaluation uses, a copy (the live storage gets the live values back)
+    assert_equal(ema.full_state_dict(model), inside, "the average's state_dict")
+    assert_equal(EMA(model, None, CPU).full_state_dict(model), live, "EMA off: the live weights'")
     for bad in (1.0, -0.1, "0.9"):
         with pytest.raises(ConfigError, match=f"trainer.ema.decay={bad} must be null"):
             EMA(model, bad, CPU)  # type: ignore[arg-type]

@@ -16,8 +16,9 @@ Why it is built this way:
   running averages of the activations already, and an integer counter has no average.
 - `applied(module)` copies the average into the parameters' own storage (under FSDP2 the shard storage
   its all-gather reads) and the live values back afterwards, bit for bit: training goes on as if
-  nothing happened. It is the one call for evaluating, selecting or saving "the weights the evaluation
-  uses"; with the EMA off it changes nothing.
+  nothing happened. It is the one call for evaluating or selecting "the weights the evaluation uses";
+  with the EMA off it changes nothing. `full_state_dict(module)` saves them (a copy: in single/DDP mode a
+  state_dict taken inside applied() is a view of storage that gets the live values back).
 """
 
 import contextlib
@@ -107,18 +108,18 @@ class EMA:
                 _copy(live, saved)
 
     def full_state_dict(self, module: nn.Module) -> dict:
-        """model_ema.pt: the full, plain state_dict of the average (model.pt's keys; FSDP: every rank
-        calls it, rank 0 gets it gathered, the others {}). {} when off."""
-        if not self.enabled:
-            return {}
+        """The full, plain state_dict of the weights the evaluation uses (model.pt's keys): the average
+        with its buffers (model_ema.pt), or with the EMA off the live weights. A copy, never the live
+        storage. FSDP: every rank calls it; rank 0 gets it gathered, the others {}."""
         with self.applied(module):
-            return {k: v.clone() for k, v in full_state_dict(module).items()}  # clone: not the live storage
+            return {k: v.clone() for k, v in full_state_dict(module).items()}
 
     def state_dict(self) -> dict | None:
         """The checkpoint's "ema" entry: the average (DTensors under FSDP: through DCP, resharded on
         load), the buffers and n. None when off."""
-        if not self.enabled:
-            return None
+        return self._state() if self.enabled else None
+
+    def _state(self) -> dict:
         return {"updates": torch.tensor(self.updates), "params": self.average, "buffers": self.buffer_copy}
 
     def load_state_dict(self, state: dict | ShardedEntry | None) -> None:
@@ -140,7 +141,7 @@ class EMA:
                 _copy(list(self.buffer_copy.values()), self.buffers)
             return
         if isinstance(state, ShardedEntry):  # DCP loads the shards into this run's DTensors, resharded
-            state = state.load(self.state_dict())
+            state = state.load(self._state())
         with torch.no_grad():
             for mine, saved in ((self.average, state["params"]), (self.buffer_copy, state["buffers"])):
                 if mine.keys() != saved.keys():

@@ -1,7 +1,8 @@
 """Predict with a finished training run: `python src/predict.py run_dir=outputs/<date>/<time>` or
 `torchrun --nproc_per_node=N src/predict.py run_dir=... [split=val|test|train]`. Config: conf/predict.yaml.
 
-Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt, predicts
+Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt (weights=ema:
+model_ema.pt, the EMA of the weights; best: model_best.pt; or a path), predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
 predictions.csv and metrics.json into this job's own run dir: the same files for any N.
 
@@ -27,7 +28,7 @@ from trainkit.errors import ConfigError, user_error
 from trainkit.halving import EvalBatches
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
-from trainkit.rundir import load_run_config, load_weights
+from trainkit.rundir import load_run_config, load_weights, weights_path
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
 
@@ -91,10 +92,11 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
     # Contiguous shards: every sample exactly once, and rank order is dataset order.
     loader = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto, what="prediction")
     model = instantiate(run_cfg.model)
-    load_weights(model, run_dir / "model.pt")
+    weights = weights_path(Path(cfg.run_dir), cfg.weights)
+    load_weights(model, weights)
     d.print0(
-        f"predict | run dir {run_dir} | split={cfg.split} ({len(dataset)} samples) | {d.world_size} "
-        f"rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
+        f"predict | run dir {run_dir} ({weights.name}) | split={cfg.split} ({len(dataset)} samples) | "
+        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
     )
 
     if isinstance(instantiate(run_cfg.task), LanguageModel):  # sequences: greedy decoding of answers
@@ -123,11 +125,12 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.
     run_dir = Path(cfg.run_dir)
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
     model = instantiate(run_cfg.model)
-    load_weights(model, run_dir / "model.pt")
+    weights = weights_path(Path(cfg.run_dir), cfg.weights)
+    load_weights(model, weights)
     d.print0(
-        f"sample | run dir {run_dir} | {cfg.num_samples} sample(s) of {cfg.max_new_tokens} characters, "
-        f"temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | {d.world_size} rank(s) on "
-        f"{d.device} | writing to {out_dir}"
+        f"sample | run dir {run_dir} ({weights.name}) | {cfg.num_samples} sample(s) of "
+        f"{cfg.max_new_tokens} characters, temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | "
+        f"{d.world_size} rank(s) on {d.device} | writing to {out_dir}"
     )
     texts = sampling.samples(
         model.to(d.device), cfg.prompt, cfg, vocab, d, autocast_for(cfg.trainer.precision, d.device)

@@ -19,6 +19,7 @@ from trainkit import checkpoint, config, dist, heldout, launch, optim, schedules
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
+from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, user_error
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
@@ -92,6 +93,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     )
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
+    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision
@@ -134,6 +136,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             return None
         checkpoint.restore(resumed, *stateful, d)
         checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
+        ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights
         auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
         val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
         layout, loader = data_for(auto.batch_size, auto.K)
@@ -157,6 +160,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         d.print0(summary)
     if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
         d.print0(no_test)
+
+    def evaluation() -> dict[str, float]:  # EMA on: the average as val/*, the live weights as val_raw/*
+        with ema.applied(unwrap(model)):  # the live weights come back bit for bit
+            val = evaluate(unwrap(model), val_batches, d, autocast, task)
+        if val and ema.enabled:
+            val |= evaluate(unwrap(model), val_batches, d, autocast, task, "val_raw")
+        return val
 
     step, val = start["step"], {}
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
@@ -217,6 +227,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     scaler.step(optimizer)
                     scaler.update()
                     scheduler.step()  # only when the optimizer stepped: the schedule counts real steps
+                    ema.update()  # so too the average: a skipped window leaves no trace in it
                 else:
                     guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
                 optimizer.zero_grad(set_to_none=True)
@@ -232,7 +243,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 best_now = False
                 with meter.paused():
-                    if eval_now and (val := evaluate(unwrap(model), val_batches, d, autocast, task)):  # {}: nothing fit
+                    if eval_now and (val := evaluation()):  # {}: nothing fit
                         best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
                         val |= selection.row()
                 stop = selection.stopped  # early stopping: its last row and checkpoint at this step
@@ -262,7 +273,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         state = checkpoint.snapshot(*stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
-                        state |= {"autobatch": auto_state, "selection": selection.state_dict()}
+                        state |= {"autobatch": auto_state, "selection": selection.state_dict(), "ema": ema.state_dict()}
                         if save_now or stop:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it
@@ -274,17 +285,21 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 break
 
         if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
-            val = evaluate(unwrap(model), val_batches, d, autocast, task)
+            val = evaluation()
             val_batches.check()
         final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
+        final_ema = ema.full_state_dict(unwrap(model)) if ema.enabled else {}  # the average's, gathered alike
         if d.is_main:
+            if final_ema:  # before model.pt, which marks a finished run
+                torch.save(final_ema, run_dir / "model_ema.pt")
             torch.save(final, run_dir / "model.pt")
-        wrote = [run_dir / "model.pt"]
-        if selection.best_step is not None:  # from here on the model holds the best evaluation's weights
-            wrote += checkpointer.write_best(unwrap(model), selection.best_step, run_dir / "model_best.pt")
+        wrote = [run_dir / name for name in ("model.pt", "model_ema.pt")[: 1 + ema.enabled]]
+        if selection.best_step is not None:  # from here on the evaluated weights are the best evaluation's
+            wrote += checkpointer.write_best(unwrap(model), ema, selection.best_step, run_dir / "model_best.pt")
         test = {}
         if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
-            test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")  # best, else last weights
+            with ema.applied(unwrap(model)):  # the weights the evaluations used: best, else last
+                test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")
             test_batches.check()
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
             console.print(heldout.line(test))

@@ -2,7 +2,7 @@
 
 Single / DDP: `checkpoints/step_<N>.pt`, written by rank 0 as `<name>.tmp`, fsynced, then
 renamed. FSDP: the directory `checkpoints/step_<N>/`, written as `step_<N>.tmp/`: every rank
-writes its shards of the model and optimizer state with torch.distributed.checkpoint (DCP,
+writes its shards of the model, optimizer and EMA state with torch.distributed.checkpoint (DCP,
 whose `.metadata`, written last by rank 0, commits the shard files), rank 0 adds `state.pt`
 (everything else) and renames the directory. Either way the rename is the commit marker, so a
 crash mid-save leaves the previous checkpoint as the newest complete one. Old checkpoints are
@@ -40,6 +40,8 @@ from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+# The entries of a state that hold DTensors under FSDP: each rank writes its shards (DCP); the EMA's "ema".
+SHARDED = ("model", "optimizer", "ema")
 
 
 def complete(directory: Path) -> list[Path]:
@@ -115,32 +117,27 @@ class Checkpointer:
             return None
         return self._read(path)["progress"]["step"]
 
-    def write_best(self, model, step: int, path: Path) -> list[Path]:
-        """Load checkpoints/best's weights into `model` and write them, full, to `path` (model_best.pt):
-        [path], or [] and a warning when checkpoints/best is not step `step`'s (see load_best)."""
-        if not self.load_best(model, step):
-            self.d.print0(f"warning: {self.best} is not step {step}'s: no {path.name}")
+    def write_best(self, model, ema, step: int, path: Path) -> list[Path]:
+        """Put checkpoints/best's evaluated weights in place and write them, full, to `path`
+        (model_best.pt): with an EMA (trainer.ema.decay) its average becomes the best one's (`ema`:
+        an ema.EMA, duck-typed: that module imports this one), else the model's weights do.
+        [path], or [] and a warning when checkpoints/best is not step `step`'s. Every rank calls it."""
+        state = self._read(self.best) if self._step_of(self.best) == step else None
+        if state is None or (ema.enabled and state.get("ema") is None):
+            self.d.print0(f"warning: {self.best} is not step {step}'s (or holds no EMA): no {path.name}")
             return []
-        weights = full_state_dict(model)  # FSDP: every rank joins, rank 0 gets them
+        if ema.enabled:
+            ema.load_state_dict(state["ema"])
+        elif isinstance(model, FSDPModule):
+            shards = get_model_state_dict(model)  # type: ignore[arg-type]  # the shards to load into
+            dcp.load({"model": shards}, checkpoint_id=self.best)
+            set_model_state_dict(model, shards)  # type: ignore[arg-type]
+        else:
+            load_model(model, state["model"], self.best)
+        weights = ema.full_state_dict(model)  # FSDP: every rank joins, rank 0 gets them
         if self.d.is_main:
             torch.save(weights, path)
         return [path]
-
-    def load_best(self, model, step: int, entry: str = "model") -> bool:
-        """Load checkpoints/best's weights (its `entry`: "model", or an average of them) into `model`
-        (unwrapped; FSDP: its shards, through DCP) if it holds step `step`, the run's best. False,
-        nothing loaded, when it does not: a resume that changed the run (optim.*) after a best
-        checkpoint was written past the step it resumed from. Every rank calls it."""
-        path = self.best
-        if self._step_of(path) != step:
-            return False
-        if isinstance(model, FSDPModule):
-            state = get_model_state_dict(model)  # type: ignore[arg-type]  # the shards to load into
-            dcp.load({entry: state}, checkpoint_id=path)
-            set_model_state_dict(model, state)  # type: ignore[arg-type]
-        else:
-            load_model(model, torch.load(path, map_location="cpu", weights_only=True)[entry], path)
-        return True
 
     def _write(self, path: Path, state: dict) -> Path:
         state = dict(state, ranks=self.d.gather_object(state["ranks"]))
@@ -164,11 +161,9 @@ class Checkpointer:
         # DTensor: BatchNorm buffers) once, here from rank 0, whose buffers model.pt keeps too.
         # dcp.save returns on rank 0 after every rank's write finished (DCP gathers their
         # results before rank 0 writes .metadata): that is the barrier before the rename.
-        dcp.save(
-            {"model": state.pop("model"), "optimizer": state.pop("optimizer")},
-            checkpoint_id=tmp,
-            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-        )
+        sharded = {key: state.pop(key) for key in SHARDED if state.get(key) is not None}
+        dcp.save(sharded, checkpoint_id=tmp, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        state["sharded_entries"] = list(sharded)  # what _read finds in the shards
         if self.d.is_main:
             _write(tmp / "state.pt", state)
             _fsync_dir(tmp)
@@ -244,7 +239,23 @@ class Checkpointer:
             raise OSError(f"no .metadata in {path}")
         state = torch.load(path / "state.pt" if sharded else path, map_location="cpu", weights_only=True)
         state["path"], state["sharded"] = str(path), sharded
+        for key in state.pop("sharded_entries", ()):
+            if key not in ("model", "optimizer"):  # restore() loads those two
+                state[key] = ShardedEntry(path, key)
         return state
+
+
+class ShardedEntry:
+    """An entry of a DCP checkpoint beside the model and optimizer (the EMA): what `_read` puts in its
+    place; `load(like)` reads it into `like`, this run's state_dict of it, in place (its DTensors
+    resharded to this run's world size). Every rank must call it."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+
+    def load(self, like: dict) -> dict:
+        dcp.load({self.key: like}, checkpoint_id=self.path)  # pickled .metadata: trusted checkpoints only
+        return like
 
 
 def _step(path: Path) -> int:

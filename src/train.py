@@ -15,11 +15,11 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, dist, launch, optim, schedules
+from trainkit import checkpoint, config, dist, launch, optim, schedules, stop
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
-from trainkit.errors import ConfigError, RankError, user_error
+from trainkit.errors import ConfigError, RankError, Stopped, user_error
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
@@ -136,12 +136,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
         d.print0(summary)
 
-    step, val = start["step"], {}
+    step, val, stopping = start["step"], {}, None
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
     seed, strategy = cfg.seed, cfg.accumulation.strategy
     log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
-    with make_logger(run_dir, cfg, d.is_main, resumed) as logger, Progress(d.is_main, total_steps, step) as console:
+    with (
+        make_logger(run_dir, cfg, d.is_main, resumed) as logger,
+        Progress(d.is_main, total_steps, step) as console,
+        stop.Stopper(cfg.trainer.max_time, d) as stopper,  # SIGTERM, SIGUSR1, trainer.max_time: a flag
+    ):
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             batches = loader.epoch(epoch, start=first_window * auto.K)  # set_epoch: a new permutation per epoch
@@ -202,10 +206,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
                 console.step()
 
+                # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
+                stopping = stopper.due(last=step == total_steps)
                 row: dict[str, float] = {}
                 log_now = step % log_every == 0 or step == total_steps
                 eval_now = (step % eval_every == 0 or step == total_steps) and len(val_set) > 0
-                save_now = checkpointer.due(step, total_steps)
+                save_now = checkpointer.due(step, total_steps) or stopping is not None
                 if log_now or eval_now or save_now:
                     guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 if log_now:
@@ -233,7 +239,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
                         checkpointer.save(step, state | {"autobatch": auto_state})
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
+                if stopping:
+                    break
+            if stopping:
+                break
 
+    if stopping:  # its checkpoint is written; no model.pt: the run is not finished
+        raise stopper.stopped(stopping, step)
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_batches, d, autocast, task)
         val_batches.check()
@@ -265,6 +277,8 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
         val_acc = train(cfg, d, mode, run_dir)
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc
+    except Stopped as stopped:  # a signal or trainer.max_time, after the checkpoint of its step: not a failure
+        stop.exit_stopped(stopped)
     except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
         if sweep:
             config.record_failure(run_dir, failed.error, sweep)

@@ -7,10 +7,9 @@ Why this shape. A cluster ends a job with a signal (SLURM: SIGTERM at the time l
 sometimes to one rank alone or to the ranks at different moments. A handler can only set a flag: the
 signal lands mid-step, and half a step cannot be saved. The loop asks `due()` after every optimizer
 step, and the ranks agree through one all-reduced flag (DESIGN rule 18): a rank that stopped alone
-would hang the others in their next collective. The all-reduce is overlapped: started after step s,
-read at step s+1's boundary, so a stop lands one step later than the signal and no step waits on it
-(measured: docs/performance.md). A time budget counts from this process's start: a resumed job gets
-a budget of its own, as a SLURM time limit is per job.
+would hang the others in their next collective. They check together about once a second (see
+Stopper: one all-reduce a step would cost a fifth of a small model's step). A time budget counts
+from this process's start: a resumed job gets a budget of its own, as a SLURM time limit is per job.
 """
 
 import re
@@ -28,6 +27,7 @@ from trainkit.errors import ConfigError, Stopped, is_worker, report
 
 STARTED = time.monotonic()  # train.py imports this first thing; a forked self-launched worker inherits its parent's
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PERIOD = 1.0  # seconds of training between two checks of the ranks (one all-reduce); every step alone
 
 _UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 _DURATION = re.compile(r"(?:\d+(?:\.\d+)?[dhms])+")
@@ -66,15 +66,20 @@ def signals() -> tuple[signal.Signals, ...]:
 
 class Stopper:
     """`with Stopper(cfg.trainer.max_time, d) as stopper:` installs the handlers (they only note the
-    signal) and puts the previous ones back at the end; `stopper.due()` after every optimizer step."""
+    signal) and puts the previous ones back at the end; `stopper.due()` after every optimizer step.
+
+    The ranks agree at check steps they all know: each check's all-reduce also carries every rank's
+    proposal for the next one, the steps that fill about PERIOD seconds at its measured pace, and all
+    take the smallest. One all-reduce a step costs 20 % of the default job's step on 2 gloo ranks (and
+    as much overlapped: docs/performance.md); one about every PERIOD seconds costs nothing measurable,
+    and a stop lands at most about PERIOD seconds of training after the signal."""
 
     def __init__(self, max_time: str | None, d: dist.Dist):
         self.max_time, self.budget, self.d = max_time, seconds("trainer.max_time", max_time), d
         self.received = 0  # the first signal's number
         self.stopping = False  # due() said stop: the handlers stay until the process exits
         self.previous: dict[signal.Signals, Any] = {}
-        self.pending: tdist.Work | None = None  # the all-reduce started at the last boundary
-        self.flags = torch.zeros(2, dtype=torch.int32)
+        self.steps, self.next_check, self.checked = 0, 1, time.monotonic()  # steps since the last check
         # The flags stay on the CPU: on NCCL a device flag read each step would wait for the step's kernels.
         self.group: tdist.ProcessGroup | None = None
         if d.distributed and tdist.get_backend() != "gloo":  # every rank builds the Stopper at the same point
@@ -91,8 +96,6 @@ class Stopper:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        if self.pending is not None and kind is None:  # every rank started it; on an error a peer may be gone
-            self.pending.wait()
         if not self.stopping:  # a stop puts them back as it exits (exit_stopped), after its line
             self.restore()
 
@@ -108,17 +111,19 @@ class Stopper:
         """After each optimizer step, on every rank: why every rank stops after this step (a signal's
         name, `trainer.max_time=...`), the same on all of them, or None. `last`: the run's last step,
         which ends the run anyway (its model.pt is written)."""
-        over = int(self.budget is not None and time.monotonic() - STARTED >= self.budget)
-        if not self.d.distributed:
-            seen = [self.received, over]
-        else:  # the flags of the previous boundary, all-reduced meanwhile: the same list on every rank
-            seen = None
-            if self.pending is not None:
-                self.pending.wait()
-                seen = self.flags.tolist()
-            self.flags = torch.tensor([self.received, over], dtype=torch.int32)
-            self.pending = tdist.all_reduce(self.flags, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
-        if seen is None or last:
+        self.steps += 1
+        if self.d.distributed and self.steps < self.next_check:
+            return None
+        now = time.monotonic()
+        over = int(self.budget is not None and now - STARTED >= self.budget)
+        seen = [self.received, over]
+        if self.d.distributed:  # MAX: any rank's signal (the highest number), any rank's budget, the fewest steps
+            pace = (now - self.checked) / self.steps
+            flags = torch.tensor([*seen, -min(max(1, int(PERIOD / max(pace, 1e-6))), 10**6)], dtype=torch.int32)
+            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self.group)
+            *seen, fewest = flags.tolist()
+            self.steps, self.next_check, self.checked = 0, -fewest, now
+        if last:
             return None
         self.stopping = bool(seen[0] or seen[1])
         if seen[0]:

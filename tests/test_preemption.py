@@ -20,7 +20,7 @@ from trainkit import config, stop
 from trainkit.config import ConfigError
 
 # The default job (digits, mlp), long enough that a signal sent after its first rows lands mid-run: a stop
-# comes at the ranks' next check, a quarter second of training later (stop.PERIOD), 80-250 steps here.
+# comes at the ranks' next check, at most a quarter second of training later (stop.PERIOD): some 80 steps here.
 RUN = ["trainer.max_steps=1000", "trainer.log_every=50", "trainer.eval_every=500", "checkpoint.every=0"]
 LINE = r"stopped by {} at step (\d+); checkpoint written; the same command resumes"
 

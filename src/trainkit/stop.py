@@ -7,9 +7,10 @@ Why this shape. A cluster ends a job with a signal (SLURM: SIGTERM at the time l
 sometimes to one rank alone or to the ranks at different moments. A handler can only set a flag: the
 signal lands mid-step, and half a step cannot be saved. The loop asks `due()` after every optimizer
 step, and the ranks agree through one all-reduced flag (DESIGN rule 18): a rank that stopped alone
-would hang the others in their next collective. They check together every PERIOD (a quarter second) of
-training (see Stopper: one all-reduce a step would cost a fifth of a small model's step). A time budget counts
-from this process's start: a resumed job gets a budget of its own, as a SLURM time limit is per job.
+would hang the others in their next collective. They check together every PERIOD (a quarter second)
+of training (see Stopper: one all-reduce a step would cost a fifth of a small model's step). A time
+budget counts from this process's start: a resumed job gets a budget of its own, as a SLURM time
+limit is per job.
 """
 
 import re
@@ -25,7 +26,7 @@ import torch.distributed as tdist
 from trainkit import dist
 from trainkit.errors import ConfigError, Stopped, is_worker, report
 
-STARTED = time.monotonic()  # train.py imports this first thing; a forked self-launched worker inherits its parent's
+STARTED = time.monotonic()  # at train.py's imports; a forked self-launched worker inherits its parent's (the job's)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PERIOD = 0.25  # seconds of training between two checks of the ranks (one all-reduce); every step alone
 

@@ -244,7 +244,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             if stopping:
                 break
 
-    if stopping:  # its checkpoint is written; no model.pt: the run is not finished
+    if stopping and stopper.stopping:  # a signal or trainer.max_time: its checkpoint is written, no model.pt
         raise stopper.stopped(stopping, step)
     if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
         val = evaluate(unwrap(model), val_batches, d, autocast, task)

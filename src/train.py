@@ -15,12 +15,12 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, dist, heldout, launch, optim, schedules
+from trainkit import checkpoint, config, dist, heldout, launch, optim, schedules, stop
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
 from trainkit.ema import EMA
-from trainkit.errors import ConfigError, RankError, user_error
+from trainkit.errors import ConfigError, RankError, Stopped, user_error
 from trainkit.evaluate import evaluate
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
@@ -105,8 +105,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     meter = TrainMeter(d, comm, task.items_name)
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task)
-    stopping = cfg.trainer.early_stopping
-    selection = Selection(monitor, monitor_mode, stopping.patience, stopping.min_delta, len(val_set) > 0, d)
+    early = cfg.trainer.early_stopping
+    selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
@@ -168,12 +168,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             val |= evaluate(unwrap(model), val_batches, d, autocast, task, "val_raw")
         return val
 
-    step, val = start["step"], {}
+    step, val, stopping = start["step"], {}, None
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
     seed, strategy = cfg.seed, cfg.accumulation.strategy
     log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
-    with make_logger(run_dir, cfg, d.is_main, resumed) as logger, Progress(d.is_main, total_steps, step) as console:
+    with (
+        make_logger(run_dir, cfg, d.is_main, resumed) as logger,
+        Progress(d.is_main, total_steps, step) as console,
+        stop.Stopper(cfg.trainer.max_time, d) as stopper,  # SIGTERM, SIGUSR1, trainer.max_time: a flag
+    ):
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             batches = loader.epoch(epoch, start=first_window * auto.K)  # set_epoch: a new permutation per epoch
@@ -235,10 +239,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
                 console.step()
 
+                # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
+                stopping = stopper.due(last=step == total_steps)
                 row: dict[str, float] = {}
                 log_now = step % log_every == 0 or step == total_steps
                 eval_now = (step % eval_every == 0 or step == total_steps) and len(val_set) > 0
-                save_now = checkpointer.due(step, total_steps)
+                save_now = checkpointer.due(step, total_steps) or stopping is not None
                 if log_now or eval_now or save_now:
                     guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 best_now = False
@@ -246,8 +252,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if eval_now and (val := evaluation()):  # {}: nothing fit
                         best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
                         val |= selection.row()
-                stop = selection.stopped  # early stopping: its last row and checkpoint at this step
-                if log_now or stop:  # outside paused(): the row's throughput is training time's
+                stopped_early = selection.stopped  # early stopping: its last row and checkpoint at this step
+                save_now |= stopped_early
+                if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
                     console.row(row["loss"], lr, row["samples_per_s"])
                     console.print(
@@ -264,26 +271,28 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                             + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
                             + selection.said()
                         )
-                    if stop:
+                    if stopped_early:
                         console.print(f"stopped early at step {step}: {selection.stop_reason()}")
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
-                    if save_now or stop or best_now:
+                    if save_now or best_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         state = checkpoint.snapshot(*stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
                         state |= {"autobatch": auto_state, "selection": selection.state_dict(), "ema": ema.state_dict()}
-                        if save_now or stop:
+                        if save_now:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it
                             checkpointer.save_best(state)
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
-                if stop:
+                if stopping or stopped_early:
                     break
-            if selection.stopped:
+            if stopping or selection.stopped:
                 break
 
+        if stopping:  # a signal or trainer.max_time: its checkpoint is written, no model.pt
+            raise stopper.stopped(stopping, step)
         if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
             val = evaluation()
             val_batches.check()
@@ -330,6 +339,8 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
         val_acc = train(cfg, d, mode, run_dir)
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return val_acc
+    except Stopped as stopped:  # a signal or trainer.max_time, after the checkpoint of its step: not a failure
+        stop.exit_stopped(stopped)
     except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
         if sweep:
             config.record_failure(run_dir, failed.error, sweep)

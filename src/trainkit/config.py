@@ -26,7 +26,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, launch, schema, text
+from trainkit import dist, launch, schema, stop, text
 from trainkit.errors import ConfigError, RunError
 from trainkit.precision import PRECISIONS
 
@@ -243,6 +243,7 @@ def check(cfg: DictConfig) -> None:
     _positive_int("trainer.log_every", cfg.trainer.log_every)
     _optional_positive_int("trainer.max_steps", cfg.trainer.max_steps)
     _optional_positive("trainer.clip_grad_norm", cfg.trainer.clip_grad_norm)
+    stop.seconds("trainer.max_time", cfg.trainer.max_time)  # a duration with its unit, e.g. 3h50m
     _optional_positive_int("accumulation.global_batch_size", cfg.accumulation.global_batch_size)
     if batch_size == "auto":
         _check_auto(cfg)

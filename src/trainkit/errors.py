@@ -4,6 +4,7 @@ worker hands its one line to the process that started it. Imports nothing of tra
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,17 @@ class RunError(RuntimeError):
 class RankError(RunError):
     """A RunError that one rank alone meets (the others see their collective fail): that rank prints
     it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
+
+
+class Stopped(Exception):
+    """The run stopped on purpose at an optimizer-step boundary (a signal, trainer.max_time), after every
+    rank wrote the checkpoint of that step: not a failure (never restarted). Its text is the one line
+    rank 0 prints, `code` the exit status; `chain`, run after the line: the handler the signal had
+    before trainkit's (submitit's requeue)."""
+
+    def __init__(self, line: str, code: int, chain: Callable[[], None] | None = None):
+        super().__init__(line)
+        self.code, self.chain = code, chain
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -56,15 +68,15 @@ def is_worker() -> bool:
     return os.environ.get(WORKER) == "1"
 
 
-def report(message: str, code: int, peer_failed: bool) -> None:
+def report(message: str, code: int, peer_failed: bool, stopped: bool = False) -> None:
     """In a worker: write this rank's one-line error into torch's error file (its format) for the parent
     to print (launch.py reads it back). `peer_failed`: a consequence (a collective failed because
-    another rank died)."""
+    another rank died); `stopped`: not an error, a Stopped run's line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         data = {
             "message": {"message": message, "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}},
-            "trainkit": {"code": code, "peer_failed": peer_failed},
+            "trainkit": {"code": code, "peer_failed": peer_failed, "stopped": stopped},
         }
         Path(path).write_text(json.dumps(data))
     if peer_failed:  # let the agent see the rank that died first: it stops this one then (and names that one)

@@ -28,11 +28,13 @@ from omegaconf import DictConfig
 
 from trainkit import dist
 from trainkit.checkpoint import complete
-from trainkit.errors import WORKER, ConfigError, RunError, is_worker
+from trainkit.errors import WORKER, ConfigError, RunError, Stopped, is_worker
 from trainkit.parallel import resolve_mode
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # those the elastic agent handles
+# Those the elastic agent handles: it ends the workers with the signal it got (SIGUSR1 too: torch's default
+# list lacks it; a worker checkpoints on SIGTERM and SIGUSR1, trainkit/stop.py).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def start_method() -> str:
@@ -135,6 +137,8 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
             except ChildFailedError as failed:
                 cause = _root_cause(failed, round_logs)
                 keep_logs = keep_logs or cause.traceback  # the line printed names the traceback's file
+                if cause.stopped:  # a signal one worker got alone, or trainer.max_time: checkpointed, not restarted
+                    raise Stopped(str(cause.error), cause.code) from None
                 if cause.known or restart == restarts:
                     raise WorkersFailed(cause.error, cause.code) from None
                 print(
@@ -144,7 +148,9 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
                 )
                 this_round = restarted(cfg, run_dir)
         raise AssertionError("unreachable: the last round returned or raised")
-    except SignalException as stopped:  # SIGTERM / Ctrl-C here: the agent has ended the workers
+    except SignalException as stopped:  # SIGTERM / Ctrl-C here: the agent has ended the workers with it
+        if said := _stop_said(Path(logs)):  # they checkpointed at a step boundary (SIGTERM, SIGUSR1): their line
+            raise Stopped(*said) from None
         print(f"error: stopped by {stopped.sigval.name}; the workers were ended", file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.sigval) from None
     finally:
@@ -195,6 +201,7 @@ def _launch_config(cfg: DictConfig, logs: str):
         start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=logs),  # error files only: workers print to this console
         local_addr="localhost",  # no lookup of this machine's FQDN
+        signals_to_handle=",".join(sig.name for sig in SIGNALS),  # forwarded to the workers
         # A NUMA option given skips LaunchConfig's probe, torch.accelerator.is_available(): it calls
         # cuInit, after which CUDA fails in a forked worker. None again: no NUMA binding.
         numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
@@ -228,6 +235,7 @@ class _Cause(NamedTuple):
     code: int  # the worker's exit status
     ours: bool  # trainkit's own line (dist.fail), not an exception torch's `record` wrote
     error_file: str = ""
+    stopped: bool = False  # trainkit/stop.py's line: a signal or trainer.max_time
 
 
 class RootCause(NamedTuple):
@@ -235,6 +243,7 @@ class RootCause(NamedTuple):
     code: int  # the exit status
     traceback: bool  # torch's error file with the traceback is kept (the line names it)
     known: bool  # trainkit's own refusal or run failure (exit 2, 3): a restart would fail the same way
+    stopped: bool = False  # not a failure: the workers stopped at a step boundary after a checkpoint (trainkit/stop.py)
 
 
 def _root_cause(failed, logs: Path) -> RootCause:
@@ -257,8 +266,9 @@ def _root_cause(failed, logs: Path) -> RootCause:
         said, ours = data["message"], data.get("trainkit")
         kind = 2 if ours and ours["peer_failed"] else 0
         timestamp = int(said["extraInfo"]["timestamp"])
+        stopped = bool(ours and ours.get("stopped"))
         causes[int(path.parent.name)] = _Cause(
-            kind, timestamp, said["message"], ours["code"] if ours else 1, bool(ours), str(path)
+            kind, timestamp, said["message"], ours["code"] if ours else 1, bool(ours), str(path), stopped
         )
     rank, cause = min(causes.items(), key=lambda item: (item[1].kind, item[1].timestamp, item[0]))
     traceback = cause.kind == 0 and not cause.ours  # an exception trainkit does not know: torch's record wrote it
@@ -267,4 +277,14 @@ def _root_cause(failed, logs: Path) -> RootCause:
         message = f"{message.strip().splitlines()[0][:300]} (traceback: {cause.error_file})"
     text = message if cause.ours else f"rank {rank}: {message}"  # trainkit's line names a rank where it matters
     error = ConfigError(text) if cause.code == 2 else RunError(text)
-    return RootCause(error, cause.code, traceback, cause.ours and cause.kind == 0 and cause.code in (2, 3))
+    known = cause.ours and cause.kind == 0 and (cause.code in (2, 3) or cause.stopped)
+    return RootCause(error, cause.code, traceback, known, cause.stopped)
+
+
+def _stop_said(logs: Path) -> tuple[str, int] | None:
+    """The line and exit status a worker of the last round reported for a stop (trainkit/stop.py), if any."""
+    for path in sorted(logs.glob("round_*/*/attempt_0/*/error.json"), reverse=True):
+        data = json.loads(path.read_text())
+        if data.get("trainkit", {}).get("stopped"):
+            return data["message"]["message"], data["trainkit"]["code"]
+    return None

@@ -1,0 +1,210 @@
+"""Preemption costs no step (trainkit/stop.py): SIGTERM / SIGUSR1 / submitit's SIGUSR2 and trainer.max_time stop
+every rank after the same step, after its checkpoint, with one line and a documented status; the same
+command resumes, and the two parts together equal the uninterrupted run bit for bit (every metrics row,
+without its timings, and model.pt), no step repeated. Under torchrun, self-launched and under submitit."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import ROOT, _env, compose_cfg, rows, run_in_process, run_train, weights
+from trainkit import config, stop
+from trainkit.config import ConfigError
+
+# The default job (digits, mlp), long enough that a signal sent after its first rows lands mid-run: a stop
+# comes at the ranks' next check, at most a quarter second of training later (stop.PERIOD): some 80 steps here.
+RUN = ["trainer.max_steps=1000", "trainer.log_every=50", "trainer.eval_every=500", "checkpoint.every=0"]
+LINE = r"stopped by {} at step (\d+); checkpoint written; the same command resumes"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """RUN on 2 ranks in torchrun's environment (forked ranks of this process), never stopped."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_in_process(run_dir, *RUN, nproc=2)
+    return run_dir
+
+
+def assert_resumed_exactly(run_dir: Path, uninterrupted: Path, step: int) -> None:
+    """The stopped-then-resumed run dir equals the uninterrupted run, every row and every weight."""
+    steps = [r["step"] for r in rows(run_dir)]
+    assert steps == sorted(set(steps)), steps  # no step repeated across the two parts
+    assert rows(run_dir, timings=False) == rows(uninterrupted, timings=False)
+    finished, reference = weights(run_dir), weights(uninterrupted)
+    assert all(torch.equal(finished[k], reference[k]) for k in reference)
+
+
+def stopped_at(text: str, reason: str) -> int:
+    [step] = re.findall(LINE.format(re.escape(reason)), text)
+    return int(step)
+
+
+def assert_checkpoint_of(run_dir: Path, step: int) -> None:
+    assert (run_dir / "checkpoints" / f"step_{step:08d}.pt").is_file()
+    assert not (run_dir / "model.pt").exists()  # not finished
+
+
+def start(*args: str, torchrun: bool = False) -> subprocess.Popen:
+    """src/train.py (or torchrun --nproc_per_node=2 src/train.py) with args, in a session of its own."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
+    cmd = [*(launcher or [sys.executable]), str(ROOT / "src/train.py"), *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def wait_for_rows(proc: subprocess.Popen, metrics: Path, count: int = 2, timeout: float = 300) -> None:
+    """Until `metrics` holds `count` rows: the run is training."""
+    deadline = time.monotonic() + timeout
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= count):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_max_time_takes_durations_with_their_unit_and_refuses_anything_else_in_one_line():
+    assert stop.seconds("k", "3h50m") == 13800 and stop.seconds("k", "90s") == 90 and stop.seconds("k", "45m") == 2700
+    assert stop.seconds("k", "1d12h") == 129600 and stop.seconds("k", "1.5h") == 5400
+    assert stop.seconds("k", "03:50:00") == 13800 and stop.seconds("k", "1-00:00:10") == 86410  # SLURM's form
+    assert stop.seconds("k", None) is None
+    for bad in ("90", "3h50", "0s", "soon", "-5m", "1:2"):  # a bare 90: SLURM reads minutes, Python seconds
+        with pytest.raises(ConfigError, match=rf"^trainer.max_time={re.escape(bad)} is not a positive duration "):
+            config.check(compose_cfg(f"trainer.max_time='{bad}'"))
+
+
+def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
+    """model._target_=test_preemption.signalling_mlp: the mlp (the same weights, the same state_dict keys);
+    rank `rank` sends itself `signum` before its `at_forward`-th training forward, once (`marker`)."""
+    from trainkit.models import mlp
+
+    model, calls = mlp(**mlp_args), [0]
+
+    def hook(module, args):
+        if module.training and int(os.environ.get("RANK", 0)) == rank:
+            calls[0] += 1
+            if calls[0] == at_forward and not Path(marker).exists():
+                Path(marker).touch()
+                os.kill(os.getpid(), signum)
+
+    model.register_forward_pre_hook(hook)
+    return model
+
+
+def test_a_signal_that_one_rank_alone_gets_stops_every_rank_after_the_same_step_and_resumes_exactly(
+    uninterrupted, tmp_path, capfd
+):
+    # Rank 1 alone gets SIGUSR1 at its step 200 (two forked ranks in torchrun's environment): both ranks
+    # write the checkpoint of one step S and exit 138; rank 0 says so. Resumed, the run is the uninterrupted one.
+    model = [
+        "model._target_=test_preemption.signalling_mlp",
+        "+model.rank=1",
+        "+model.at_forward=200",
+        f"+model.signum={int(signal.SIGUSR1)}",
+        f"+model.marker={tmp_path / 'signalled'}",
+    ]
+    with pytest.raises(mp.ProcessExitedException) as ended:
+        run_in_process(tmp_path / "run", *RUN, *model, nproc=2)
+    assert ended.value.exit_code == 128 + signal.SIGUSR1
+    err = capfd.readouterr().err
+    assert err.count("stopped by") == 1  # rank 0 alone
+    step = stopped_at(err, "SIGUSR1")
+    assert 200 <= step < 1000
+    assert_checkpoint_of(tmp_path / "run", step)
+    assert rows(tmp_path / "run")[-1]["step"] <= step
+    run_in_process(tmp_path / "run", *RUN, *model, nproc=2)  # the same command
+    assert_resumed_exactly(tmp_path / "run", uninterrupted, step)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_checkpoints_every_worker_at_one_step_and_the_same_command_resumes(uninterrupted, tmp_path):
+    # torchrun's agent ends its workers with the signal it got (then SIGKILL after its shutdown timeout, 30 s).
+    run_dir = tmp_path / "run"
+    proc = start(f"hydra.run.dir={run_dir}", *RUN, torchrun=True)
+    wait_for_rows(proc, run_dir / "metrics.jsonl")
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc)
+    assert proc.returncode != 0  # torchrun's own: it re-raises the SignalException (exit 1, torch's traceback)
+    step = stopped_at(err, "SIGTERM")
+    assert_checkpoint_of(run_dir, step)
+    run_in_process(run_dir, *RUN, nproc=2)  # torchrun's environment, in this process
+    assert_resumed_exactly(run_dir, uninterrupted, step)
+
+
+@pytest.mark.slow
+def test_sigusr1_to_a_self_launched_run_is_forwarded_to_its_workers_one_line_status_138_and_it_resumes(
+    uninterrupted, tmp_path
+):
+    run_dir = tmp_path / "run"
+    proc = start(f"hydra.run.dir={run_dir}", *RUN, "parallel.nproc_per_node=2")
+    wait_for_rows(proc, run_dir / "metrics.jsonl")
+    proc.send_signal(signal.SIGUSR1)  # torch's agent forwards it: trainkit adds it to the signals it handles
+    out, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    [line] = err.splitlines()  # no "rank 1: exited with status 138", no agent report
+    step = stopped_at(line, "SIGUSR1")
+    assert_checkpoint_of(run_dir, step)
+    run_train(run_dir, *RUN, "parallel.nproc_per_node=2")  # the same command
+    assert_resumed_exactly(run_dir, uninterrupted, step)
+
+
+@pytest.mark.slow
+def test_max_time_stops_a_self_launched_run_with_status_0_never_restarted_and_it_resumes(uninterrupted, tmp_path):
+    # The budget is spent before the first step ends (it counts from the process's start): both workers
+    # stop after the step of their first check. parallel.max_restarts=1 must not restart a stop.
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *RUN, "parallel.nproc_per_node=2", "parallel.max_restarts=1", "trainer.max_time=1s")
+    [line] = proc.stderr.splitlines()  # no "restarting the workers"
+    step = stopped_at(line, "trainer.max_time=1s")
+    assert_checkpoint_of(run_dir, step)
+    proc = run_train(run_dir, *RUN, "parallel.nproc_per_node=2", "trainer.max_time=1h")  # a budget that lasts
+    assert f"resumed from {run_dir / 'checkpoints'}" in proc.stdout
+    assert_resumed_exactly(run_dir, uninterrupted, step)
+
+
+@pytest.mark.slow
+def test_submitits_preemption_signal_checkpoints_then_submitit_requeues_the_job_which_resumes(uninterrupted, tmp_path):
+    # SIGUSR2 to both tasks, as SLURM's --signal (signal_delay_s before the time limit) and submitit's local
+    # controller send it. trainkit checkpoints the step, then calls submitit's handler: rank 0 requeues the
+    # job (locally: exit 144, the controller starts the tasks again), which resumes in its job dir.
+    sweep = tmp_path / "sweep"
+    launcher = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10"]
+    proc = start("-m", f"hydra.sweep.dir={sweep}", *launcher, "parallel.timeout_s=60", *RUN)
+    wait_for_rows(proc, sweep / "0" / "metrics.jsonl")
+    tasks = [p for p in Path("/proc").iterdir() if p.name.isdigit() and task_of(p, sweep)]
+    assert len(tasks) == 2
+    for task in tasks:
+        os.kill(int(task.name), signal.SIGUSR2)
+    out, err = finish(proc, timeout=600)
+    assert proc.returncode == 0, err
+    logs = "".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_0_log.*")))
+    step = stopped_at(logs, "SIGUSR2")
+    assert "Requeued job" in logs and f"resumed from {sweep / '0' / 'checkpoints' / f'step_{step:08d}.pt'}" in logs
+    assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == [
+        f"step_{step:08d}.pt",
+        "step_00001000.pt",
+    ]
+    assert_resumed_exactly(sweep / "0", uninterrupted, step)
+
+
+def task_of(process: Path, sweep: Path) -> bool:
+    """A submitit task of the sweep (`python -m submitit.core._submit <sweep>/.submitit/<job id>`)."""
+    try:
+        cmdline = (process / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"submitit.core._submit" in cmdline and any(arg.startswith(str(sweep).encode()) for arg in cmdline)

@@ -21,7 +21,7 @@ from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, Stopped, user_error
-from trainkit.evaluate import evaluate
+from trainkit.evaluate import evaluate, evaluate_averaged
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
 from trainkit.metrics import TrainMeter, make_logger
@@ -47,17 +47,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader]:  # again when auto halves b
         layout = EpochLayout(len(train_set), d.world_size, b, K)
-        loader = TrainLoader(
-            train_set,
-            d,
-            b,
-            cfg.data.num_workers,
-            cfg.seed,
-            layout.micro_batches,
-            cfg.data.get("pin_memory", True),  # .get: a data set's own yaml without the schema may leave them out
-            cfg.data.get("prefetch_factor"),
-        )
-        return layout, loader
+        # .get: a data set's own yaml without the schema may leave the last two out
+        knobs = cfg.data.get("pin_memory", True), cfg.data.get("prefetch_factor")
+        return layout, TrainLoader(train_set, d, b, cfg.data.num_workers, cfg.seed, layout.micro_batches, *knobs)
 
     layout, loader = data_for(auto.batch_size, auto.K)
     # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
@@ -123,10 +115,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         if note := selection.load_state_dict(resumed.get("selection")):
             d.print0(f"resume: {note}")
         if selection.stopped:  # a run that stopped early trains no more (PL #8278)
-            d.print0(
-                f"nothing to train: {resumed['path']} stopped early at step {resumed['progress']['step']}: "
-                f"{selection.stop_reason()}; the run dir stays as it is (a larger patience trains on)"
-            )
+            d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(resumed['progress']['step'])}")
             return selection.best
         if resumed["progress"]["step"] > total_steps:
             d.print0(
@@ -162,11 +151,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         d.print0(no_test)
 
     def evaluation() -> dict[str, float]:  # EMA on: the average as val/*, the live weights as val_raw/*
-        with ema.applied(unwrap(model)):  # the live weights come back bit for bit
-            val = evaluate(unwrap(model), val_batches, d, autocast, task)
-        if val and ema.enabled:
-            val |= evaluate(unwrap(model), val_batches, d, autocast, task, "val_raw")
-        return val
+        return evaluate_averaged(unwrap(model), ema, val_batches, d, autocast, task)
 
     step, val, stopping = start["step"], {}, None
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
@@ -256,21 +241,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 save_now |= stopped_early
                 if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
-                    console.row(row["loss"], lr, row["samples_per_s"])
-                    console.print(
-                        f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | "
-                        f"lr {lr:.2e} | grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
-                        + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
-                    )
+                    console.train_line(step, total_steps, epoch, row)
                 with meter.paused():
                     if eval_now and val:
                         row |= val
-                        console.print(
-                            f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | "
-                            f"val acc {val['val/acc']:.4f}"
-                            + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
-                            + selection.said()
-                        )
+                        console.val_line(step, total_steps, val)
                     if stopped_early:
                         console.print(f"stopped early at step {step}: {selection.stop_reason()}")
                     if row:

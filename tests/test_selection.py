@@ -195,14 +195,15 @@ def test_early_stopping_stops_every_rank_at_one_step_and_a_resume_stops_there_to
 
 
 @pytest.mark.slow
-def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(best_runs, tmp_path):
-    """FSDP's best is a DCP directory; a resume on 1 rank from the 2-rank run's step (another run dir:
-    checkpoint.resume=<path>) takes its best along and ends with the uninterrupted best."""
-    fsdp = [*RUN, "parallel=fsdp", "checkpoint.keep=20"]
+def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(tmp_path):
+    """FSDP's best is a DCP directory, here with an EMA (its average in the shards); a resume on 1 rank
+    from the 2-rank run's step (another run dir: checkpoint.resume=<path>) takes that best along and
+    ends with the uninterrupted best."""
+    fsdp = [*RUN, "parallel=fsdp", "checkpoint.keep=20", "trainer.ema.decay=0.8"]
     straight = tmp_path / "straight"
     run_in_process(straight, *fsdp, TWO, nproc=2)
     best_step, best_value = expected_best(straight)
-    assert (best_step, best_value) == expected_best(best_runs["one"])
+    assert best_step < 40  # a checkpoint after it to resume from, and the best outlives the resume
     assert (straight / "checkpoints" / "best" / ".metadata").is_file()
     resume_at = (best_step // 8 + 1) * 8
     source = straight / "checkpoints" / f"step_{resume_at:08d}"
@@ -213,18 +214,27 @@ def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(bes
     assert (last["best/step"], last["best/val/acc"]) == (best_step, best_value)
     best = {name: torch.load(d / "model_best.pt", weights_only=True) for name, d in (("a", straight), ("b", resumed))}
     assert_equal(best["a"], best["b"], "the best weights: copied from the source dir's best, not retrained")
-    assert max_diff(best["a"], torch.load(best_runs["one"] / "model_best.pt", weights_only=True)) < ATOL
+    ema = torch.load(straight / "model_ema.pt", weights_only=True)
+    assert max_diff(best["a"], ema) > 0  # the best step's average, not the last
 
 
-def test_the_test_pass_evaluates_the_best_weights_not_the_last(tmp_path):
+@pytest.mark.parametrize("ema", ["null", 0.5])
+def test_the_test_pass_evaluates_the_best_weights_not_the_last(tmp_path, ema):
+    """model_best.pt holds the weights the best evaluation evaluated (with trainer.ema.decay the
+    average's: that step's checkpoint's EMA), and the test row is theirs."""
     from hydra.utils import instantiate
 
     run = tmp_path / "run"
     overrides = [o for o in RUN if not o.startswith(("trainer.test", "data.splits.test", "trainer.max_steps"))]
-    overrides += ["trainer.max_steps=44", ONE]  # digits with its test split: the best step lies mid-run here
+    # digits with its test split: the best step lies mid-run here; a checkpoint at every evaluation
+    overrides += ["trainer.max_steps=44", ONE, f"trainer.ema.decay={ema}", "checkpoint.every=4", "checkpoint.keep=20"]
     run_in_process(run, *overrides)
     best_step, _ = expected_best(run)
     assert best_step < 44
+    best = torch.load(run / "model_best.pt", weights_only=True)
+    at_best = checkpoint_at(run / "checkpoints" / f"step_{best_step:08d}.pt")
+    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if ema != "null" else at_best["model"]
+    assert_equal(dict(best), dict(evaluated), "model_best.pt = the weights evaluated at the best step")
     row = final_test_row(run)
     cfg = compose_cfg(*overrides)
     x, y = instantiate(cfg.data.splits)[2].tensors

@@ -29,6 +29,16 @@ def evaluate(
     return {f"{prefix}/{key}": value for key, value in _evaluate(model, loader, d, autocast, task).items()}
 
 
+def evaluate_averaged(model: torch.nn.Module, ema, loader, d: Dist, autocast, task) -> dict[str, float]:
+    """The weights the evaluation uses as val/*: with an EMA (trainkit.ema.EMA, trainer.ema.decay) its
+    average, and then the live weights as val_raw/*; without, the live weights as val/*."""
+    with ema.applied(model):  # the live weights come back bit for bit
+        metrics = evaluate(model, loader, d, autocast, task)
+    if metrics and ema.enabled:
+        metrics |= evaluate(model, loader, d, autocast, task, "val_raw")
+    return metrics
+
+
 @torch.inference_mode()
 def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     """The task's metrics ({"loss": ..., "acc": ...}; evaluate names them by the split)."""

@@ -26,6 +26,24 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:,.0f}")
 
+    def train_line(self, step: int, total_steps: int, epoch: int, row: dict) -> None:
+        """A log row's line (and the bar's numbers)."""
+        self.row(row["loss"], row["lr"], row["samples_per_s"])
+        self.print(
+            f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
+            + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
+        )
+
+    def val_line(self, step: int, total_steps: int, val: dict) -> None:
+        """An evaluation's line: val loss and acc, bits/char for text, the best so far."""
+        best = next((k for k in val if k.startswith("best/") and k != "best/step"), None)
+        self.print(
+            f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}"
+            + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
+            + (f" | {best} {val[best]:.4f} (step {val['best/step']})" if best else "")
+        )
+
     def print(self, line: str) -> None:
         """A log line from rank 0, above the bar."""
         if self.bar is not None:

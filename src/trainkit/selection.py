@@ -93,9 +93,12 @@ class Selection:
         by = f" by more than {self.min_delta:g}" if self.min_delta else ""
         return f"no improvement of {self.monitor}{by} for {self.waited} evaluations ({best})"
 
-    def said(self) -> str:
-        """The console's evaluation line's end: " | best val/acc 0.9700 (step 120)"."""
-        return f" | best {self.monitor} {self.best:.4f} (step {self.best_step})" if self.best is not None else ""
+    def stopped_at(self, step: int) -> str:
+        """What a resume of a stopped run says."""
+        return (
+            f"stopped early at step {step}: {self.stop_reason()}; the run dir stays as it is "
+            "(a larger trainer.early_stopping.patience trains on)"
+        )
 
     def row(self) -> dict[str, float]:
         """The best so far, for the evaluation rows: best/val/acc, best/step."""

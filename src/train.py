@@ -161,7 +161,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     with (
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
         Progress(d.is_main, total_steps, step) as console,
-        stop.Stopper(cfg.trainer.max_time, d) as stopper,  # SIGTERM, SIGUSR1, trainer.max_time: a flag
+        stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
     ):
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0

@@ -80,7 +80,7 @@ def short_run(tmp_path_factory):
 
 
 def test_keep_last_n_and_the_final_checkpoint(short_run):
-    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_00000004.pt"]
+    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["best.pt", "step_00000004.pt"]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ DECAY = 0.5  # the warm-up (1 + n) / (10 + n) reaches it at n = 8: both branches
 
 
 def test_the_nth_update_decays_by_min_decay_and_the_warm_up_and_buffers_are_copied():
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2, dtype=torch.float64), nn.BatchNorm1d(2, dtype=torch.float64))
     ema = EMA(model, DECAY, CPU)
     average = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k and "tracked" not in k}
@@ -40,7 +41,10 @@ def test_the_nth_update_decays_by_min_decay_and_the_warm_up_and_buffers_are_copi
         live = model.state_dict()
         for k in average:  # the rule written out: decay x average + (1 - decay) x weights
             average[k] = decay * average[k] + (1 - decay) * live[k]
-            assert torch.allclose(ema.average[k], average[k], rtol=1e-12, atol=0), (n, k)  # float64 rounding
+            assert torch.allclose(ema.average[k], average[k], rtol=0, atol=1e-12), (
+                n,
+                k,
+            )  # float64 rounding of O(1) weights
         for k, b in ema.buffer_copy.items():
             assert torch.equal(b, live[k]), k  # copied, not averaged
     assert ema.updates == 12 and warmed_up(DECAY, 7) == 8 / 17 < DECAY == warmed_up(DECAY, 8)
@@ -299,5 +303,8 @@ def test_predict_weights_ema_predicts_with_the_average(single, tmp_path):
     (tmp_path / "no_ema").mkdir()
     for name in ("model.pt", ".hydra"):
         (tmp_path / "no_ema" / name).symlink_to(single / name)
-    with pytest.raises(ConfigError, match=r"weights=ema: .*/model_ema.pt does not exist: the run kept no EMA \(trainer.ema.decay=null\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"weights=ema: .*/model_ema.pt does not exist: the run kept no EMA \(trainer.ema.decay=null\)",
+    ):
         run_in_process(tmp_path / "p", f"run_dir={tmp_path / 'no_ema'}", "weights=ema", script="predict")

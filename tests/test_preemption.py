@@ -195,6 +195,7 @@ def test_submitits_preemption_signal_checkpoints_then_submitit_requeues_the_job_
     step = stopped_at(logs, "SIGUSR2")
     assert "Requeued job" in logs and f"resumed from {sweep / '0' / 'checkpoints' / f'step_{step:08d}.pt'}" in logs
     assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == [
+        "best.pt",
         f"step_{step:08d}.pt",
         "step_00001000.pt",
     ]

@@ -13,6 +13,7 @@ budget counts from this process's start: a resumed job gets a budget of its own,
 limit is per job.
 """
 
+import os
 import re
 import signal
 import sys
@@ -75,8 +76,12 @@ class Stopper:
     overlapped (started after step s, read after s+1) 20 %; one every PERIOD is lost in the noise
     (about 0.35 ms four times a second), and a stop lands about PERIOD of training after the signal."""
 
-    def __init__(self, max_time: str | None, d: dist.Dist):
+    def __init__(self, max_time: str | None, d: dist.Dist, grace_s: float = 600):
+        """grace_s (parallel.timeout_s): a rank that has not reached the agreed stop this long after a
+        signal is hung (e.g. the survivor of a failed peer, which torch's agent stops with SIGTERM):
+        it ends as the signal would have ended it, not only after the agent's SIGKILL (30 s later)."""
         self.max_time, self.budget, self.d = max_time, seconds("trainer.max_time", max_time), d
+        self.watchdog = threading.Timer(grace_s, os._exit, (1,))
         self.received = 0  # the first signal's number
         self.stopping = False  # due() said stop: the handlers stay until the process exits
         self.previous: dict[signal.Signals, Any] = {}
@@ -106,6 +111,10 @@ class Stopper:
         self.previous = {}
 
     def _note(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            self.watchdog = threading.Timer(self.watchdog.interval, os._exit, (128 + signum,))
+            self.watchdog.daemon = True
+            self.watchdog.start()
         self.received = self.received or signum
 
     def due(self, last: bool = False) -> str | None:
@@ -125,8 +134,11 @@ class Stopper:
             *seen, fewest = flags.tolist()
             self.steps, self.next_check, self.checked = 0, -fewest, now
         if last:
+            self.watchdog.cancel()  # the run ends anyway, normally
             return None
         self.stopping = bool(seen[0] or seen[1])
+        if self.stopping:
+            self.watchdog.cancel()  # every rank reached the stop: its checkpoint is bounded by the collectives' timeout
         if seen[0]:
             return signal.Signals(seen[0]).name
         return f"trainer.max_time={self.max_time}" if seen[1] else None

@@ -288,7 +288,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
             console.print(heldout.line(test))
         summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
-        summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}" if selection.best_step else ""
+        if selection.best is not None:
+            summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}"
         summary += f", test acc {test['test/acc']:.4f}" if test else ""
         d.print0(f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}")
     return selection.best if selection.monitor else val.get("val/acc")
@@ -311,9 +312,9 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
             return launch.start(cfg, run_dir, job, run)
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
         mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
-        val_acc = train(cfg, d, mode, run_dir)
+        objective = train(cfg, d, mode, run_dir)  # the best monitored value (else the last val/acc): a sweeper's
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
-        return val_acc
+        return objective
     except Stopped as stopped:  # a signal or trainer.max_time, after the checkpoint of its step: not a failure
         stop.exit_stopped(stopped)
     except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here

@@ -41,7 +41,7 @@ class Progress:
         self.print(
             f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}"
             + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
-            + (f" | {best} {val[best]:.4f} (step {val['best/step']})" if best else "")
+            + (f" | best {best.removeprefix('best/')} {val[best]:.4f} (step {val['best/step']})" if best else "")
         )
 
     def print(self, line: str) -> None:

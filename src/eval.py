@@ -21,11 +21,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trainkit import config, dist, heldout, text
-from trainkit.errors import ConfigError, user_error
+from trainkit.errors import ConfigError
 from trainkit.evaluate import evaluate
-from trainkit.halving import EvalBatches
 from trainkit.precision import autocast_for
-from trainkit.rundir import load_run_config, load_weights, weights_path
+from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
 from trainkit.text import Vocabulary
 
 
@@ -41,20 +40,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
             raise ConfigError(f"run_dir={run_dir}: its {text.VOCAB_FILE} is not this Python's corpus's vocabulary")
         run_cfg.data.vocab_size = vocab.size
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
-    with d.rank0_first():  # rank 0 prepares (downloads) the data first
-        splits = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)
-    dataset = splits[heldout.SPLITS.index(cfg.split)]
-    if dataset is None:
-        raise ConfigError(
-            f"split=test: data={run_cfg.data.name} of {run_dir} has no test split (its data.splits returns train, val)"
-        )
-    if len(dataset) == 0:
-        raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
-    batch_size = cfg.batch_size or run_cfg.data.batch_size
-    auto = batch_size == "auto"  # the run searched its micro-batch: start where its search started, halve alike
-    if auto:
-        batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
-    batches = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto)
+    dataset, batches, batch_size = split_batches(cfg, run_cfg, d, "evaluation")
     model = instantiate(run_cfg.model)
     load_weights(model, weights)
     precision = cfg.trainer.precision or run_cfg.trainer.precision
@@ -77,16 +63,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        eval_run(cfg, out_dir)
-    except Exception as error:
-        if (known := user_error(error)) is None:
-            raise
-        if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
-            config.remove_if_empty(out_dir)
-        dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
-    finally:
-        dist.teardown()
+    config.one_job(lambda: eval_run(cfg, out_dir), out_dir)  # a known failure: one line, no traceback
 
 
 if __name__ == "__main__":

@@ -24,11 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist, heldout, sampling, text
 from trainkit.addition import END, IGNORE
-from trainkit.errors import ConfigError, user_error
-from trainkit.halving import EvalBatches
+from trainkit.errors import ConfigError
 from trainkit.inference import generate, predict
 from trainkit.precision import autocast_for
-from trainkit.rundir import load_run_config, load_weights, weights_path
+from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
 
@@ -77,20 +76,7 @@ def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]
 def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> float:
     run_dir = Path(cfg.run_dir)
     autocast = autocast_for(cfg.trainer.precision, d.device)
-    with d.rank0_first():  # rank 0 prepares (downloads) the data first
-        dataset = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)[heldout.SPLITS.index(cfg.split)]
-    if dataset is None:
-        raise ConfigError(
-            f"split=test: data={run_cfg.data.name} of {run_dir} has no test split (its data.splits returns train, val)"
-        )
-    if len(dataset) == 0:
-        raise ConfigError(f"split={cfg.split} of {run_dir} holds no samples")
-    batch_size = cfg.batch_size or run_cfg.data.batch_size
-    auto = batch_size == "auto"  # the run searched its micro-batch: start where its search started, halve alike
-    if auto:
-        batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
-    # Contiguous shards: every sample exactly once, and rank order is dataset order.
-    loader = EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto, what="prediction")
+    dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
     model = instantiate(run_cfg.model)
     weights = weights_path(Path(cfg.run_dir), cfg.weights)
     load_weights(model, weights)
@@ -145,16 +131,7 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.
 @hydra.main(config_path="../conf", config_name="predict", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        return predict_run(cfg, out_dir)
-    except Exception as error:
-        if (known := user_error(error)) is None:
-            raise
-        if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
-            config.remove_if_empty(out_dir)
-        dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)  # one line from rank 0, no traceback
-    finally:
-        dist.teardown()
+    return config.one_job(lambda: predict_run(cfg, out_dir), out_dir)  # a known failure: one line, no traceback
 
 
 def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:

@@ -96,7 +96,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
-    monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task)
+    monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
@@ -114,15 +114,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         checkpoint.check_compatible(resumed["identity"], identity)
         if note := selection.load_state_dict(resumed.get("selection")):
             d.print0(f"resume: {note}")
-        if selection.stopped:  # a run that stopped early trains no more (PL #8278)
-            d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(resumed['progress']['step'])}")
-            return selection.best
-        if resumed["progress"]["step"] > total_steps:
-            d.print0(
-                f"nothing to train: {resumed['path']} is at step {resumed['progress']['step']}, past this "
-                f"run's {total_steps} steps (trainer.max_steps / trainer.epochs); the run dir stays as it is"
-            )
-            return None
+        at = resumed["progress"]["step"]
+        if selection.stopped or at > total_steps:  # a run that stopped early trains no more (PL #8278)
+            why = f"is at step {at}, past this run's {total_steps} steps (trainer.max_steps / trainer.epochs)"
+            d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(at) if selection.stopped else why}")
+            return selection.best  # None without a monitor
         checkpoint.restore(resumed, *stateful, d)
         checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
         ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights

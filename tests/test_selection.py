@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process
+from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process, run_train
 from trainkit.errors import ConfigError
 from trainkit.selection import Selection, monitored
+from trainkit.tasks import Classification, LanguageModel
 
 # SGD at a high learning rate on digits: val/acc climbs, dips and ties (every 4 steps an evaluation),
 # so the best step lies mid-run, a later evaluation ties it (a tie keeps the earlier step) and three
@@ -69,23 +70,35 @@ def test_the_rule_nan_is_never_best_a_tie_keeps_the_earlier_and_min_delta_counts
 
 
 @pytest.mark.parametrize(
-    ("monitor", "mode", "task", "expected"),
+    ("monitor", "mode", "task", "averaged", "expected"),
     [
-        ("auto", "auto", "classification", ("val/acc", "max")),
-        ("auto", "auto", "lm", ("val/loss", "min")),
-        ("val/bpc", "auto", "lm", ("val/bpc", "min")),
-        ("val_raw/acc", "auto", "classification", ("val_raw/acc", "max")),
-        ("val/loss", "max", "classification", ("val/loss", "max")),
-        (None, "auto", "classification", (None, "auto")),
+        ("auto", "auto", Classification(), False, ("val/acc", "max")),
+        ("auto", "auto", LanguageModel(), False, ("val/loss", "min")),
+        ("val/bpc", "auto", LanguageModel(per_character=True), False, ("val/bpc", "min")),
+        ("val_raw/acc", "auto", Classification(), True, ("val_raw/acc", "max")),  # with an EMA: the live weights'
+        ("val/loss", "max", Classification(), False, ("val/loss", "max")),
+        (None, "auto", Classification(), False, (None, "auto")),
     ],
 )
-def test_monitor_and_mode_default_from_the_task_and_the_key(monitor, mode, task, expected):
-    from hydra.utils import instantiate
-
-    assert monitored(monitor, mode, instantiate(compose_cfg(f"task={task}").task)) == expected
+def test_monitor_and_mode_default_from_the_task_and_the_key(monitor, mode, task, averaged, expected):
+    assert monitored(monitor, mode, task, averaged) == expected
 
 
-def test_bad_values_are_one_line_errors():
+@pytest.mark.parametrize(
+    ("monitor", "task", "averaged"),
+    [("val/bpc", LanguageModel(), False), ("val_raw/acc", Classification(), False), ("val/f1", Classification(), True)],
+)
+def test_a_monitor_the_evaluation_does_not_report_is_refused_before_training(monitor, task, averaged):
+    with pytest.raises(ConfigError, match=f"checkpoint.monitor={monitor} is not a metric of this run's evaluation"):
+        monitored(monitor, "auto", task, averaged)
+
+
+def test_bad_values_are_one_line_errors(tmp_path):
+    proc = run_train(tmp_path / "run", "checkpoint.monitor=val/accuracy", check=False)  # before any step
+    assert proc.returncode == 2 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert proc.stderr.strip() == (
+        "error: checkpoint.monitor=val/accuracy is not a metric of this run's evaluation (val/loss, val/acc)"
+    )
     with pytest.raises(ConfigError, match="checkpoint.mode=best is not one of: auto, max, min"):
         monitored("val/acc", "best", None)
     with pytest.raises(ConfigError, match="patience=0 must be null or a positive integer"):

@@ -101,12 +101,18 @@ class Checkpointer:
         """A run resumed from another run dir's checkpoint takes that dir's checkpoints/best along
         when it holds the resumed run's best step (else model_best.pt would be missing at the end)."""
         source = Path(resumed).parent / self.best.name
-        if step is None or source.resolve() == self.best.resolve() or self._step_of(self.best) == step:
+        if step is None:  # the same on every rank (the resumed selection state)
             return
-        if self.d.is_main and self._step_of(source) == step:
+        # Rank 0 alone looks and copies, then every rank waits: a rank that looked after the copy
+        # would skip the barrier the others wait at.
+        elsewhere = source.resolve() != self.best.resolve()
+        if self.d.is_main and elsewhere and self._step_of(self.best) != step and self._step_of(source) == step:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.best.with_name(self.best.name + ".tmp")
-            shutil.copytree(source, tmp) if source.is_dir() else shutil.copy2(source, tmp)
+            if source.is_dir():
+                shutil.copytree(source, tmp)
+            else:
+                shutil.copy2(source, tmp)
             _remove(self.best)
             os.replace(tmp, self.best)
         self.d.barrier()
@@ -197,7 +203,7 @@ class Checkpointer:
                     _remove(old)
                 elif self.d.is_main:
                     os.replace(old, old.with_suffix(""))
-            self.d.barrier()  # the others list the checkpoints after rank 0 put them in order
+        self.d.barrier()  # the others list the checkpoints after rank 0 put them in order (every rank: no if)
         for path in reversed(self.complete()):
             try:
                 return self._read(path)

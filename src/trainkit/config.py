@@ -27,7 +27,7 @@ from omegaconf.errors import (
 )
 
 from trainkit import dist, launch, schema, stop, text
-from trainkit.errors import ConfigError, RunError
+from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
 
@@ -393,6 +393,21 @@ def accumulation_steps(cfg: DictConfig, world_size: int) -> int:
             "accumulation=sync_each_batch"
         )
     return K
+
+
+def one_job(run: Callable[[], Any], out_dir: Path) -> Any:
+    """predict.py's and eval.py's job: run(), a known failure one line from rank 0 (exit 2 for a
+    refusal, which leaves no empty output dir; 3 else), no traceback; the process group torn down."""
+    try:
+        return run()
+    except Exception as error:
+        if (known := user_error(error)) is None:
+            raise
+        if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
+            remove_if_empty(out_dir)
+        dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
+    finally:
+        dist.teardown()
 
 
 def run_cli(main: Callable[[], Any]) -> None:

@@ -10,13 +10,15 @@ split's EvalBatches: the validation machinery, so every test sample counts once 
 from collections.abc import Sequence
 from typing import Any
 
+from trainkit.errors import ConfigError
+
 SPLITS = ("train", "val", "test")  # the order of what data.splits returns
 
 
 def unpack(splits: Sequence[Any], name: str) -> tuple[Any, Any, Any | None]:
     """(train, val, test) of data.splits' value; test is None for a (train, val) pair."""
     if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
-        raise TypeError(f"data.splits of data={name} must return (train, val) or (train, val, test)")
+        raise ConfigError(f"data.splits of data={name} must return (train, val) or (train, val, test)")
     train, val, *rest = splits
     return train, val, (rest[0] if rest else None)
 

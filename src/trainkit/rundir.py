@@ -5,10 +5,14 @@ Shared here because no entry point imports another."""
 from pathlib import Path
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit import heldout
 from trainkit.checkpoint import load_model
+from trainkit.dist import Dist
 from trainkit.errors import ConfigError
+from trainkit.halving import EvalBatches
 
 WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # weights=<name>: in the run dir
 
@@ -54,3 +58,23 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             f"{path} is no state_dict that torch.load(weights_only=True) reads ({type(error).__name__})"
         ) from None
     load_model(model, state, f"{path} (the run's model config)")
+
+
+def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> tuple:
+    """(the split's data set, its EvalBatches, the batch size per rank): cfg.split of the run's data,
+    each rank a contiguous shard (every sample once, rank order is dataset order), at cfg.batch_size
+    or the run's (auto: where the run's search started, halved alike)."""
+    with d.rank0_first():  # rank 0 prepares (downloads) the data first
+        dataset = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)[heldout.SPLITS.index(cfg.split)]
+    if dataset is None:
+        raise ConfigError(
+            f"split=test: data={run_cfg.data.name} of {cfg.run_dir} has no test split (its data.splits returns "
+            "train, val)"
+        )
+    if len(dataset) == 0:
+        raise ConfigError(f"split={cfg.split} of {cfg.run_dir} holds no samples")
+    batch_size = cfg.batch_size or run_cfg.data.batch_size
+    auto = batch_size == "auto"
+    if auto:
+        batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)
+    return dataset, EvalBatches(dataset, d, batch_size, run_cfg.data.num_workers, halve=auto, what=what), batch_size

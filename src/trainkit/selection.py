@@ -14,14 +14,21 @@ from trainkit.errors import ConfigError, RunError
 MINIMIZED = ("loss", "bpc")  # checkpoint.mode=auto: a key ending in one of these is minimised
 
 
-def monitored(monitor: str | None, mode: str, task) -> tuple[str | None, str]:
+def monitored(monitor: str | None, mode: str, task, averaged: bool = False) -> tuple[str | None, str]:
     """(key, "max" | "min") from checkpoint.monitor / checkpoint.mode: auto is the task's own
-    (`task.monitor`, e.g. ("val/acc", "max")); mode auto follows the key's metric."""
+    (`task.monitor`, e.g. ("val/acc", "max")); mode auto follows the key's metric. A key that is none
+    of the task's metrics (`task.metric_names`, where it has them) is refused before training;
+    `averaged` (trainer.ema.decay): the live weights' val_raw/* are keys too."""
     if monitor == "auto":
         monitor, task_mode = getattr(task, "monitor", ("val/loss", "min"))
         mode = task_mode if mode == "auto" else mode
     if monitor is None:
         return None, mode
+    if (names := getattr(task, "metric_names", None)) is not None:
+        keys = [f"{split}/{name}" for split in ("val", "val_raw")[: 1 + averaged] for name in names]
+        if monitor not in keys:
+            said = ", ".join(keys)
+            raise ConfigError(f"checkpoint.monitor={monitor} is not a metric of this run's evaluation ({said})")
     if mode == "auto":
         mode = "min" if monitor.rsplit("/", 1)[-1].startswith(MINIMIZED) else "max"
     if mode not in ("max", "min"):
@@ -95,10 +102,7 @@ class Selection:
 
     def stopped_at(self, step: int) -> str:
         """What a resume of a stopped run says."""
-        return (
-            f"stopped early at step {step}: {self.stop_reason()}; the run dir stays as it is "
-            "(a larger trainer.early_stopping.patience trains on)"
-        )
+        return f"stopped early at step {step}: {self.stop_reason()} (a larger early_stopping.patience trains on)"
 
     def row(self) -> dict[str, float]:
         """The best so far, for the evaluation rows: best/val/acc, best/step."""

@@ -21,6 +21,7 @@ class Classification:
     items_name = None  # items are samples: the epoch layout counts them, no communication needed
     eval_width = 3  # len(eval_sums(...))
     monitor = ("val/acc", "max")  # checkpoint.monitor=auto / checkpoint.mode=auto: what picks the best checkpoint
+    metric_names = ("loss", "acc")  # eval_metrics' keys: a checkpoint.monitor is checked against them at start
 
     def __init__(self, label_smoothing: float = 0.0):
         if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 1):
@@ -60,6 +61,7 @@ class LanguageModel:
     def __init__(self, max_digits: int | None = None, per_character: bool = False):
         self.max_digits, self.per_character = max_digits, per_character
         self.eval_width = 5 + 2 * len(self._pairs())
+        self.metric_names = ("loss", "acc", *(["bpc"] * per_character), *(f"acc_{a}x{b}" for a, b in self._pairs()))
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")

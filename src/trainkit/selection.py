@@ -98,7 +98,8 @@ class Selection:
     def stop_reason(self) -> str:
         best = f"best {self.best:.4g} at step {self.best_step}" if self.best is not None else "no finite value"
         by = f" by more than {self.min_delta:g}" if self.min_delta else ""
-        return f"no improvement of {self.monitor}{by} for {self.waited} evaluations ({best})"
+        evaluations = "1 evaluation" if self.waited == 1 else f"{self.waited} evaluations"
+        return f"no improvement of {self.monitor}{by} for {evaluations} ({best})"
 
     def stopped_at(self, step: int) -> str:
         """What a resume of a stopped run says."""

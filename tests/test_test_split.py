@@ -235,3 +235,21 @@ def test_a_finished_run_resumed_again_keeps_one_test_row(tmp_path):
     assert "resumed from" in out and "test acc" in out
     assert final_test_row(tmp_path) == first  # once, the same weights: the same numbers
     assert rows(tmp_path, test=True)[-1] == first
+
+
+def test_a_task_of_ones_own_that_names_its_metrics_val_gets_test_rows_too():
+    import contextlib
+
+    from trainkit.dist import Dist
+    from trainkit.evaluate import evaluate
+    from trainkit.models import mlp
+    from trainkit.tasks import Classification
+
+    class Before(Classification):  # eval_metrics as a fork's task wrote it before the test split
+        def eval_metrics(self, sums):
+            return {f"val/{key}": value for key, value in super().eval_metrics(sums).items()}
+
+    cpu = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    test = digits()[2]
+    metrics = evaluate(mlp([1, 8, 8], 10), [test[:]], cpu, contextlib.nullcontext, Before(), prefix="test")
+    assert set(metrics) == {"test/loss", "test/acc"}

@@ -26,7 +26,11 @@ def evaluate(
     # model.pt keeps. (A no-op in single mode; with SyncBN they are equal already.)
     for buffer in model.buffers():
         d.broadcast_from_main(buffer)
-    return {f"{prefix}/{key}": value for key, value in _evaluate(model, loader, d, autocast, task).items()}
+    # removeprefix: a task of one's own written before the test split named its metrics val/<name>
+    return {
+        f"{prefix}/{key.removeprefix('val/')}": value
+        for key, value in _evaluate(model, loader, d, autocast, task).items()
+    }
 
 
 def evaluate_averaged(model: torch.nn.Module, ema, loader, d: Dist, autocast, task) -> dict[str, float]:

@@ -1,7 +1,10 @@
 """What is learned: a task turns a batch's model output and targets into the summed loss of its
 loss-bearing items (the loop normalises it over the global window), counts those items, and
 gives the evaluation sums. train.py and evaluate.py are the same for every task: forking for
-another task means one class here (or in your project) and its conf/task/<name>.yaml."""
+another task means one class here (or in your project) and its conf/task/<name>.yaml.
+`eval_metrics` names the metrics ("loss", "acc"; evaluate prefixes the split: val/, test/);
+`monitor` is checkpoint.monitor=auto's (key, mode), `metric_names` what an explicit monitor is
+checked against (a task without them: val/loss, min, and no check)."""
 
 import math
 

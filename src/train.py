@@ -267,15 +267,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         if not val and len(val_set):  # resumed from the final checkpoint: nothing left to train
             val = evaluation()
             val_batches.check()
-        final = checkpoint.full_state_dict(unwrap(model))  # FSDP: every rank joins, rank 0 gets the gathered weights
-        final_ema = ema.full_state_dict(unwrap(model)) if ema.enabled else {}  # the average's, gathered alike
-        if d.is_main:
-            if final_ema:  # before model.pt, which marks a finished run
-                torch.save(final_ema, run_dir / "model_ema.pt")
-            torch.save(final, run_dir / "model.pt")
-        wrote = [run_dir / name for name in ("model.pt", "model_ema.pt")[: 1 + ema.enabled]]
-        if selection.best_step is not None:  # from here on the evaluated weights are the best evaluation's
-            wrote += checkpointer.write_best(unwrap(model), ema, selection.best_step, run_dir / "model_best.pt")
+        # model.pt (the last weights), model_ema.pt, model_best.pt; from here on the evaluated weights are the best's
+        wrote = checkpointer.write_weights(unwrap(model), ema, selection.best_step, run_dir)
         test = {}
         if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
             with ema.applied(unwrap(model)):  # the weights the evaluations used: best, else last

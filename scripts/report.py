@@ -7,6 +7,10 @@ Writes report.md (one row per job) and report.png (loss against step and against
 val/acc against step, throughput per job) into that dir. Reads only what the runs wrote, so it
 also works while a sweep is running: a job with no metrics yet, or a half-written last line,
 is reported as far as it got. Exit status 2 when the dir holds no runs.
+
+An Optuna study's sweep dir (hparams_search=..., its study.db): report.md also gets a table of the
+study's trials (parameters, objective, state, a failed trial's error) and its best trial, report.png
+the optimisation history (each trial's objective and the best so far). Job N is trial N.
 """
 
 import argparse
@@ -26,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 RUNNING_S = 300  # no model.pt and a metrics row written this recently: "running", else "stopped"
 ERROR_FILE = "error.txt"  # a failed run's one-line error (trainkit.config.record_failure)
+STUDY_FILE = "study.db"  # an Optuna study's storage (conf/hydra/sweeper/optuna_study.yaml)
 
 
 @dataclass
@@ -37,6 +42,66 @@ class Job:
     status: str
     wall_s: float | None
     error: str | None  # a failed job's one-line error (its error.txt)
+
+
+@dataclass
+class Study:
+    name: str
+    objective: str  # the key the jobs returned the best value of, e.g. val/acc
+    direction: str  # maximize | minimize
+    trials: list  # optuna FrozenTrials, by number
+    others: list[str]  # further studies in the same file
+
+
+def read_study(root: Path) -> Study | None:
+    """The newest study in <root>/study.db, or None (no file: not a study's sweep)."""
+    if not (root / STUDY_FILE).is_file():
+        return None
+    import optuna  # here only: 1.5 s to import
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = f"sqlite:///{(root / STUDY_FILE).resolve()}"
+    names = [summary.study_name for summary in optuna.get_all_study_summaries(storage)]
+    if not names:
+        return None
+    study = optuna.load_study(study_name=names[-1], storage=storage)
+    objective = study.user_attrs.get("objective", "objective")
+    return Study(names[-1], objective, study.direction.name.lower(), list(study.trials), names[:-1])
+
+
+def best_trial(study: Study):
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    pick = max if study.direction == "maximize" else min
+    return pick(done, key=lambda t: t.value) if done else None
+
+
+def study_markdown(study: Study) -> list[str]:
+    params = sorted({name for trial in study.trials for name in trial.params})
+    best = best_trial(study)
+    lines = ["", f"## Study {study.name}: {len(study.trials)} trials, {study.direction} the best {study.objective}", ""]
+    if study.others:
+        lines += [f"(the same file also holds the studies {', '.join(study.others)})", ""]
+    if best is not None:
+        said = " ".join(f"{k}={v}" for k, v in best.params.items())
+        where = f"Best trial {best.number} (job dir {best.number}/)"
+        lines += [f"{where}: {study.objective} {best.value:.6g} with `{said}`", ""]
+    else:
+        lines += ["No trial has completed yet.", ""]
+    header = ["trial", "state", study.objective, *params, "error"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for trial in study.trials:
+        state = {"RUNNING": "running (or interrupted)"}.get(trial.state.name, trial.state.name.lower())
+        value = f"{trial.value:.6g}" if trial.value is not None else "—"
+        cells = [str(trial.number), state, value, *(_param(trial.params.get(p)) for p in params)]
+        cells.append(trial.user_attrs.get("error", "").replace("|", "\\|"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _param(value) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -158,7 +223,7 @@ def cell(value: float | None, spec: str | None) -> str:
     return duration(value) if spec is None else spec.format(value)
 
 
-def markdown(root: Path, jobs: list[Job], common: list[str]) -> str:
+def markdown(root: Path, jobs: list[Job], common: list[str], study: Study | None = None) -> str:
     header = ["job", "overrides", "status", *FORMATS]
     lines = [
         f"# Report: {root}",
@@ -183,12 +248,16 @@ def markdown(root: Path, jobs: list[Job], common: list[str]) -> str:
         lines.append("| " + " | ".join(cells + [cell(numbers[k], f) for k, f in FORMATS.items()]) + " |")
     if failed := [job for job in jobs if job.status == "failed"]:
         lines += ["", "Failed jobs:", ""] + [f"- {job.name}: {job.error}" for job in failed]
+    if study is not None:
+        lines += study_markdown(study)
     return "\n".join(lines) + "\n"
 
 
-def plot(jobs: list[Job], common: list[str], path: Path) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    (by_step, by_samples), (acc, speed) = axes
+def plot(jobs: list[Job], common: list[str], path: Path, study: Study | None = None) -> None:
+    fig, axes = plt.subplots(3 if study else 2, 2, figsize=(12, 12 if study else 8), squeeze=False)
+    (by_step, by_samples), (acc, speed) = axes[0], axes[1]
+    if study is not None:
+        history(study, fig, axes[2])
     for i, job in enumerate(jobs):
         style = {"color": f"C{i}", "marker": ".", "label": f"{job.name}: {label(job, common)}"}
         train = [r for r in job.rows if "loss" in r]  # "samples": seen so far (cumulative), all ranks
@@ -214,6 +283,30 @@ def plot(jobs: list[Job], common: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def history(study: Study, fig, row) -> None:
+    """The optimisation history: each completed trial's objective, the best so far, failed trials marked."""
+    for ax in row:
+        ax.remove()
+    ax = fig.add_subplot(3, 1, 3)
+    done = [t for t in study.trials if t.state.name == "COMPLETE"]
+    ax.plot([t.number for t in done], [t.value for t in done], "o", color="C0", label=f"trial's best {study.objective}")
+    best, running = [], None
+    pick = max if study.direction == "maximize" else min
+    for trial in done:
+        running = trial.value if running is None else pick(running, trial.value)
+        best.append(running)
+    ax.step([t.number for t in done], best, where="post", color="C1", label="best so far")
+    if failed := [t.number for t in study.trials if t.state.name == "FAIL"]:
+        for number in failed:
+            ax.axvline(number, color="C3", alpha=0.3)
+        ax.plot([], [], color="C3", alpha=0.3, label="failed trial")
+    title = f"study {study.name}: optimisation history ({study.direction})"
+    ax.set(title=title, xlabel="trial", ylabel=study.objective)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a sweep dir (multirun/<stamp>) or a run dir")
@@ -228,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     now = time.time()
     jobs = [load_job(d, d.name or str(d), now) for d in dirs]
     common = shared(jobs)
-    (root / "report.md").write_text(markdown(root, jobs, common))
-    plot(jobs, common, root / "report.png")
+    study = read_study(root)
+    (root / "report.md").write_text(markdown(root, jobs, common, study))
+    plot(jobs, common, root / "report.png", study)
     print(f"wrote {root / 'report.md'} and {root / 'report.png'} ({len(jobs)} job(s))")
     return 0
 

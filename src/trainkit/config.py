@@ -67,6 +67,8 @@ class SweepErrors(Callback):
     submitit's launcher reports a failed task as a 40-line traceback."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if "trainkit_search" in str(OmegaConf.select(config, "hydra.sweeper._target_")):
+            return  # an Optuna study: a failed trial is one of its results (trainkit.search lists them)
         sweep_dir = Path(config.hydra.sweep.dir)
         failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not failed:
@@ -421,6 +423,10 @@ def run_cli(main: Callable[[], Any]) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report: we print one line
     try:
         main()
+    except ConfigError as error:  # refused outside a job: e.g. by the sweeper (trainkit.search)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as error:
         message = _one_line(error)
         if message is None:

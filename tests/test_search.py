@@ -71,11 +71,18 @@ def test_a_second_command_continues_the_study_in_new_dirs_with_new_draws(study):
     assert [t.number for t in later] == [3, 4]
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3", "4"]
     assert "resumed from" not in second.stdout  # job N trains trial N in N/: never an old trial's checkpoint
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in later)  # seed 3 + 3's draws: lr 0.05
     for trial in later:
         assert rows(sweep / str(trial.number))[0]["step"] == 10  # a fresh run, not one resumed at step 20
         config = yaml.safe_load((sweep / str(trial.number) / ".hydra" / "config.yaml").read_text())
         assert config["model"]["width"] == trial.params["model.width"]
-    # The sampler continues at seed + 3: with the seed itself it would draw trials 0 and 1 again.
+
+
+@pytest.mark.slow
+def test_a_continued_study_draws_new_trials(study):
+    # The sampler continues at seed + 3 trials: with the seed itself it would draw trials 0 and 1 again.
+    sweep, _, _, earlier = study
+    later = trials(sweep)[len(earlier) :]
     assert [t.params for t in later] != [t.params for t in earlier[:2]]
 
 
@@ -121,7 +128,8 @@ def test_under_torchrun_every_rank_trains_the_trial_rank_0_asked_for(tmp_path):
     sweep, logs = tmp_path / "sweep", tmp_path / "logs"
     run_train(
         tmp_path / "unused",
-        *STUDY[:2],  # lr from the config's interval: rank 1 drawing its own trial would differ
+        "hparams_search=digits_optuna",
+        "hydra.sweeper.sampler.seed=null",  # rank 1 drawing its own trial would draw other values
         "parallel=ddp",
         "trainer.max_steps=10",
         "hydra.sweeper.n_trials=2",

@@ -8,14 +8,15 @@ from helpers import compose_cfg, faulty, max_diff, rows, run_in_process, run_tra
 from trainkit import debug
 
 SGD = ["optim=sgd", "trainer.clip_grad_norm=1.0"]
+AUTO = ["data.batch_size=auto", "accumulation.global_batch_size=64"]
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [[], ["+experiment=pydoc_gpt"], ["data.batch_size=auto", "accumulation.global_batch_size=64"]],
+    "overrides,val",  # val: the samples kept, 2 global batches (32, 12 blocks, 64)
+    [([], "64/359 val"), (["+experiment=pydoc_gpt"], "24/734 val"), (AUTO, "128/359 val")],
     ids=["mlp", "pydoc_gpt", "auto"],
 )
-def test_fast_runs_every_path_in_4_steps(tmp_path, overrides):
+def test_fast_runs_every_path_in_4_steps(tmp_path, overrides, val):
     out = run_in_process(tmp_path, "debug=fast", *overrides)
     logged = rows(tmp_path, test=True)
     assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]  # pydoc_gpt's 2000 steps: debug.set wins
@@ -23,8 +24,7 @@ def test_fast_runs_every_path_in_4_steps(tmp_path, overrides):
     assert [r["step"] for r in logged if "test/loss" in r] == [4]
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000002.pt", "step_00000004.pt"]
     assert (tmp_path / "model.pt").exists()
-    assert "debug=fast:" in out and "val, " in out  # what was kept, said once
-    assert out.count("debug=fast:") == 1
+    assert out.count("debug=fast:") == 1 and val in out  # what was kept, said once
 
 
 def test_a_mode_wins_over_an_experiment_and_loses_to_the_command_line(monkeypatch):
@@ -46,13 +46,13 @@ def test_overfit_drives_the_loss_to_zero_on_one_batch_at_any_world_size(tmp_path
     one, two = tmp_path / "one", tmp_path / "two"
     run_in_process(one, *OVERFIT, "data.batch_size=64")
     out = run_in_process(two, *OVERFIT, "data.batch_size=16", "accumulation.steps=2", nproc=2)
-    assert "debug=overfit: 64/1079 train samples" in out
     diff = max_diff(weights(one), weights(two))
     print(f"max |2 ranks - 1 rank| {diff:.2e}, last rows' loss {rows(one)[-1]['loss']:.4f}")
     assert diff < 1e-5  # SGD: reduction-order rounding alone (measured 2e-7 here); another batch: ~1e-1
     last = rows(one)[-1]  # steps 51-60; measured 0.0015 (the full train split at these settings: 0.3)
     assert last["loss"] < 0.05 and last["samples"] == 60 * 64
     assert last["val/loss"] < 0.05  # val is that batch: val loss ~ train loss
+    assert "debug=overfit: 64/1079 train samples" in out
 
 
 # debug=limit with SGD: 270 train samples, 9 steps of 32 on one rank, of 2 x 16 on two.
@@ -83,14 +83,17 @@ def test_a_limit_outside_0_1_is_one_line(tmp_path, capsys, value):
     assert not run_dir.exists()
 
 
-def test_a_limited_run_does_not_resume_a_full_one(tmp_path, capsys, monkeypatch):
-    run_in_process(tmp_path, "trainer.max_steps=2", "trainer.test=false")
-    with pytest.raises(SystemExit) as refused:
-        run_in_process(tmp_path, "trainer.max_steps=3", "trainer.test=false", "debug=limit")
-    assert refused.value.code == 2
-    assert "the checkpoint was written with data.train_samples=1079, this run has data.train_samples=270" in (
-        capsys.readouterr().err
-    )
+def test_a_limited_run_does_not_resume_a_full_one_nor_back(tmp_path, capsys):
+    for first, then, said in [
+        ([], ["debug=limit"], "1079, this run has data.train_samples=270"),
+        (["debug=limit"], [], "270, this run has data.train_samples=1079"),
+    ]:
+        run_dir = tmp_path / str(len(first))
+        run_in_process(run_dir, "trainer.max_steps=2", "trainer.test=false", *first)
+        with pytest.raises(SystemExit) as refused:
+            run_in_process(run_dir, "trainer.max_steps=3", "trainer.test=false", *then)
+        assert refused.value.code == 2
+        assert f"the checkpoint was written with data.train_samples={said}" in capsys.readouterr().err
 
 
 NAN = faulty("nan", 2, 0, "/nonexistent", name="mlp")  # rank 0's second training forward returns NaN

@@ -331,12 +331,12 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "global_batch": global_batch,
         "seed": cfg.seed,
         "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
-        "data.train_samples": len(train_set),  # e.g. debug=limit or debug=overfit's: another train split
         "optim._target_": cfg.optim._target_,
         "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
+        "data.train_samples": len(train_set),  # last (a key above names a change first): e.g. debug=limit's
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
     return identity

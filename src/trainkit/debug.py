@@ -167,7 +167,7 @@ def anomaly(enabled: bool, d: Dist) -> Iterator[None]:
     if not enabled:
         yield
         return
-    d.print0("debug=anomaly: autograd anomaly detection is on: slower (each backward function's output is checked for NaN)")
+    d.print0("debug=anomaly: autograd anomaly detection is on: slower (every backward function checked for NaN)")
     with torch.autograd.set_detect_anomaly(True):
         try:
             yield

@@ -27,14 +27,15 @@ def test_fast_runs_every_path_in_4_steps(tmp_path, overrides, val):
     assert out.count("debug=fast:") == 1 and val in out  # what was kept, said once
 
 
-def test_a_mode_wins_over_an_experiment_and_loses_to_the_command_line(monkeypatch):
-    cfg = compose_cfg("+experiment=pydoc_gpt", "debug=fast", "trainer.log_every=3")
+def test_a_mode_wins_over_an_experiment_and_loses_to_the_command_line():
+    overrides = ["+experiment=pydoc_gpt", "debug=fast", "trainer.log_every=3"]
+    cfg = compose_cfg(*overrides)
     assert cfg.trainer.max_steps == 2000  # as Hydra composes it: the experiment comes after debug
-    monkeypatch.setattr(debug, "_command_line", lambda: ["+experiment=pydoc_gpt", "debug=fast", "trainer.log_every=3"])
-    debug.configure(cfg)
+    with debug.command_line(overrides):  # what Hydra's overrides.task holds under @hydra.main
+        debug.configure(cfg)
     assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.trainer.log_every) == (4, 4, 3)
-    assert "log_every" not in cfg.debug.set.trainer  # what is left of `set` is what was applied: a worker repeats it
-    debug.configure(cfg)
+    assert "log_every" not in cfg.debug.set.trainer  # `set` keeps what was applied: a worker applies it again
+    debug.configure(cfg)  # as in a worker train.py started (no command line there)
     assert cfg.trainer.log_every == 3
 
 
@@ -109,6 +110,7 @@ def test_anomaly_names_the_backward_function_that_returned_nan(tmp_path, capsys)
     assert f"error: {NAMED}" in err  # without anomaly: "non-finite loss or gradient in steps 1-4"
 
 
+@pytest.mark.slow
 def test_anomaly_on_one_ddp_rank_ends_both(tmp_path):
     """Rank 1 raises in backward while rank 0 is in the gradient all-reduce: rank 1 names the function,
     rank 0 sees its collective fail (not a hang), the launching process exits 3 with rank 1's line."""

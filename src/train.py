@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, dist, heldout, launch, optim, schedules, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, schedules, stop
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.data import TrainLoader
@@ -44,6 +44,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if len(train_set) == 0:
         raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
     auto = AutoBatch(cfg, d)  # micro-batch b and K; data.batch_size=auto: b = global / W, halved on out of memory
+    # debug=limit, overfit, fast: fewer samples, taken in the data set's order before any sharding (any world size)
+    global_batch = d.world_size * auto.batch_size * auto.K  # auto: b x K stays as b halves
+    train_set, val_set, test_set = debug.splits(cfg.debug, (train_set, val_set, test_set), global_batch, d)
 
     def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader]:  # again when auto halves b
         layout = EpochLayout(len(train_set), d.world_size, b, K)
@@ -158,6 +161,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
         Progress(d.is_main, total_steps, step) as console,
         stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
+        debug.anomaly(cfg.debug.anomaly, d),  # debug=anomaly: the backward function that returned NaN, named
     ):
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
@@ -296,6 +300,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
     is one line from rank 0, no traceback; a sweep's job records it in its dir and the sweep goes on
     (config.SweepErrors)."""
     try:
+        debug.configure(cfg)  # debug=<mode>: its settings over an experiment's (the command line's win)
         config.check(cfg)
         if launch.wanted(cfg):  # parallel.nproc_per_node=N, no launcher: N workers run this job, as torchrun's would
             return launch.start(cfg, run_dir, job, run)

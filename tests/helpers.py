@@ -100,8 +100,10 @@ def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
     with contextlib.redirect_stdout(out):
         if script == "train":
             import train
+            from trainkit import debug
 
-            train.run(compose_cfg(*overrides), Path(run_dir))
+            with debug.command_line(overrides):  # its keys win over a debug mode's, as on the command line
+                train.run(compose_cfg(*overrides), Path(run_dir))
         else:  # predict, eval: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
             from trainkit import dist as trainkit_dist
 

@@ -336,6 +336,7 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
+        "data.train_samples": len(train_set),  # last (a key above names a change first): e.g. debug=limit's
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
     return identity

@@ -87,6 +87,27 @@ class Logger:
 
 
 @dataclass
+class Limit:
+    """debug.limit: the fraction of each split kept, in (0, 1]; 1: all of it (trainkit/debug.py)."""
+
+    train: float = 1.0
+    val: float = 1.0
+    test: float = 1.0
+
+
+@dataclass
+class Debug:
+    """The debug=<mode> section (conf/debug/, trainkit/debug.py); off by default."""
+
+    mode: str | None = None  # the debug=<name> that set this section, for the lines the run prints
+    set: dict[str, Any] = field(default_factory=dict)  # settings applied over the composed config's (an experiment's)
+    limit: Limit = field(default_factory=Limit)
+    eval_batches: int | None = None  # null: off | val and test: at most N global batches of samples
+    overfit: bool = False  # train, val and test: one global batch of the train split
+    anomaly: bool = False  # torch.autograd anomaly detection: the backward function that made a NaN is named
+
+
+@dataclass
 class Train:
     """The root (conf/train.yaml)."""
 
@@ -101,6 +122,7 @@ class Train:
     accumulation: Accumulation = field(default_factory=Accumulation)
     parallel: Parallel = field(default_factory=Parallel)
     logger: Logger = field(default_factory=Logger)
+    debug: Debug = field(default_factory=Debug)
 
 
 # The built-in options of the _target_ groups. Required arguments: MISSING (the yaml sets them).

@@ -27,6 +27,7 @@ from trainkit.halving import EvalBatches
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
+from trainkit.profile import Profiler
 from trainkit.progress import Progress
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
@@ -66,6 +67,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         )
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
+    profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
     model, comm = wrap(
@@ -158,6 +160,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
         Progress(d.is_main, total_steps, step) as console,
         stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
+        profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
     ):
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
@@ -219,6 +222,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 step += 1
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
                 console.step()
+                profiler.step()  # once per optimizer step (not per micro-batch): its steps are the rows'
 
                 # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
                 stopping = stopper.due(last=step == total_steps)

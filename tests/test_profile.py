@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from test_config_errors import cli_in_process
 
 from helpers import run_in_process, weights
-from test_config_errors import cli_in_process
 from trainkit.dist import Dist
 from trainkit.profile import Profiler
 
@@ -31,7 +31,11 @@ def test_a_profiled_2_rank_run_traces_its_steps_on_every_rank_and_trains_alike(t
         names = [e.get("name", "") for e in events]
         assert "aten::addmm" in names  # the forwards' linear layers
         # Exactly optimizer steps 3..5: the profiler's steps 2, 3, 4 (its step 0 is the run's first), three SGD steps.
-        assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+        assert sorted(n for n in names if n.startswith("ProfilerStep#")) == [
+            "ProfilerStep#2",
+            "ProfilerStep#3",
+            "ProfilerStep#4",
+        ]
         assert sum(n.startswith("Optimizer.step#SGD") for n in names) == 3
     assert out.count("Self CPU time total") == 1 and out.count("profile: steps 3..5, top 5") == 1  # rank 0, once
     assert "profile/rank1.json.gz" in out
@@ -53,7 +57,14 @@ def test_a_window_past_the_end_is_one_line_exit_2(tmp_path, capsys, monkeypatch)
 
 def profile_cfg(steps, warmup: int = 1):
     return OmegaConf.create(
-        {"steps": steps, "warmup": warmup, "top": 3, "record_shapes": False, "profile_memory": False, "with_stack": False}
+        {
+            "steps": steps,
+            "warmup": warmup,
+            "top": 3,
+            "record_shapes": False,
+            "profile_memory": False,
+            "with_stack": False,
+        }
     )
 
 

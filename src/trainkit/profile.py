@@ -85,7 +85,7 @@ class Profiler:
         self.dir.mkdir(parents=True, exist_ok=True)  # every rank: its own trace
         if self.cuda and self.cfg.profile_memory:
             self._record_memory()  # from the start: an out-of-memory dump shows how memory got there
-            torch._C._cuda_attach_out_of_memory_observer(self._out_of_memory)
+            torch._C._cuda_attach_out_of_memory_observer(self._out_of_memory)  # type: ignore[attr-defined]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Profiler won't be using warmup")  # warmup=0: by choice (steps: [1, b])
             warnings.filterwarnings("ignore", ".*Profiler clears events at the end of each cycle")  # one cycle

@@ -77,3 +77,22 @@ def test_a_2_rank_run_prints_the_summary_once_and_logs_it_and_the_memory_peak(tm
         # Peak RSS of a process with torch imported: hundreds of MB. KiB read as bytes: ~0.001 GB, as MiB: ~1000 GB.
         assert 0.05 < row["mem/peak_gb"] < 24, row
         assert "mfu" not in row  # CPU
+
+
+def test_the_loggers_get_the_summary(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from helpers import compose_cfg
+    from trainkit.metrics import MetricsLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("tensorboard", "wandb"):
+        (tmp_path / name).mkdir()  # Hydra's run dir
+        with MetricsLogger(tmp_path / name, compose_cfg(f"logger={name}"), None, None) as logger:
+            logger.summary({"params": 26122, "flops_per_sample": 155136.0})
+        assert json.loads((tmp_path / name / "summary.json").read_text())["params"] == 26122
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert "params: 26122" in events.Tensors("summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    wandb_file = next((tmp_path / "wandb").glob("wandb/offline-run-*/*.wandb"))
+    assert b"model/flops_per_sample" in wandb_file.read_bytes()  # the run's summary

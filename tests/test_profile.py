@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from test_config_errors import cli_in_process
@@ -87,3 +88,44 @@ def test_a_resumed_run_profiles_what_is_left_of_the_window_and_off_builds_nothin
         off.step()
         assert off.prof is None  # no torch.profiler object
     assert off.prof is None and "step" not in vars(off) and not (tmp_path / "off").exists()
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")  # torch.profiler's, on this CPU machine
+def test_on_cuda_the_memory_history_covers_the_window_and_an_out_of_memory_dumps_it(tmp_path, monkeypatch, capsys):
+    """The CUDA path on a CPU machine: torch.cuda.memory's recorder, snapshot and out-of-memory observer
+    replaced by a log of the calls (the trace itself records CPU events only here)."""
+    calls: list[str] = []
+    observers: list = []
+    memory = torch.cuda.memory
+    monkeypatch.setattr(memory, "_record_memory_history", lambda enabled="all", **_: calls.append(f"record {enabled}"))
+    monkeypatch.setattr(memory, "_dump_snapshot", lambda path: calls.append(f"dump {Path(path).name}"))
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
+    d = Dist(0, 0, 1, torch.device("cuda"))
+    profiler = Profiler(profile_cfg([2, 3]), 5, d, tmp_path)
+    with profiler.over(0):
+        for step in range(1, 6):
+            calls.append(f"step {step}")
+            profiler.step()
+    assert calls == [
+        "step 1",
+        "record all",
+        "step 2",
+        "step 3",
+        "dump memory_rank0.pickle",
+        "record None",
+        "step 4",
+        "step 5",
+    ]
+    out = capsys.readouterr().out
+    assert not observers and out.count("Self CPU time total") == 2  # only with profile_memory; CPU and CUDA tables
+    assert "memory_rank<r>.pickle (https://pytorch.org/memory_viz)" in out
+
+    calls.clear()
+    cfg = profile_cfg([2, 3])
+    cfg.profile_memory = True  # the history from the start, and the observer torch calls before it raises
+    profiler = Profiler(cfg, 5, d, tmp_path / "memory")
+    with profiler.over(0):
+        calls.append("step 1")
+        observers[0](0, 1 << 30, 0, 0)  # out of memory in step 1 (data.batch_size=auto would halve and retry)
+        profiler.step()
+    assert calls[:3] == ["record all", "step 1", "dump memory_oom_rank0.pickle"] and calls[-1] == "record None"

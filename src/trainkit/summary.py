@@ -4,9 +4,9 @@ describe() runs on the unwrapped model before wrapping (no DDP/FSDP hooks, no co
 parameter count (total, trainable, per top-level module; a tied weight counts once, in the first
 module that holds it), the size of parameters and buffers at their dtype, and the FLOPs of one
 sample: torch.utils.flop_counter.FlopCounterMode over one forward of `dataset[0]` in eval mode
-under no_grad (nothing trains, BatchNorm's running statistics stay, no RNG is drawn: the torch, numpy
-and python generators are put back). Training FLOPs are 3x the forward's (backward: 2x, the PaLM /
-nanoGPT convention). FlopCounterMode counts 0 for the CPU kernel of scaled_dot_product_attention in
+under no_grad (nothing trains, BatchNorm's running statistics stay; the torch, numpy and python
+generators are put back after the sample and the forward: the run's draws are the same). Training
+FLOPs are 3x the forward's (backward: 2x, the PaLM / nanoGPT convention). FlopCounterMode counts 0 for the CPU kernel of scaled_dot_product_attention in
 torch 2.14.1 (aten._scaled_dot_product_flash_attention_for_cpu has no formula): trainkit gives it
 torch's own sdpa_flop_count, as the CUDA kernels have. For a GPT the summary also shows nanoGPT's
 estimate 6N + 12·L·H·Q·T per token (N: the parameters less the position embedding; the tied token
@@ -20,6 +20,7 @@ samples/s (all ranks) over world size x the device's dense peak at trainer.preci
 of variable-length sequences (data=addition): the FLOPs of dataset[0]'s length, an estimate.
 """
 
+import contextlib
 import random
 import resource
 from dataclasses import dataclass, field
@@ -88,14 +89,25 @@ def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwar
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
+@contextlib.contextmanager
+def rng_kept(device: torch.device):
+    """The torch (CPU, and the device's), numpy and python generators as they were after the body."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
 def forward_flops(model: nn.Module, x: torch.Tensor) -> int:
     """FlopCounterMode's count of one forward of x, in eval mode under no_grad; the model, its
     buffers and every RNG as they were."""
     modes = [(m, m.training) for m in model.modules()]
-    python_state, numpy_state = random.getstate(), np.random.get_state()
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa}
     try:
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.no_grad():
+        with rng_kept(x.device), torch.no_grad():
             model.eval()
             with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
                 model(x)
@@ -103,8 +115,6 @@ def forward_flops(model: nn.Module, x: torch.Tensor) -> int:
     finally:
         for module, training in modes:
             module.training = training
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
 
 
 def gpt_formula(model: GPT, length: int) -> float:
@@ -160,7 +170,8 @@ def describe(model: nn.Module, dataset, items_name: str | None, d: Dist, precisi
         "params_per_module": counts["per_module"],
         "size_mb": size_bytes(model) / 1e6,
     }
-    x = collate_fn(dataset)([dataset[0]])[0].to(d.device)
+    with rng_kept(d.device):  # a data set's augmentation may draw
+        x = collate_fn(dataset)([dataset[0]])[0].to(d.device)
     per_token = items_name is not None and x.dim() == 2  # a sequence task: FLOPs per position of its context
     try:
         forward, why = float(forward_flops(model, x)), ""

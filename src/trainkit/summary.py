@@ -5,11 +5,13 @@ parameter count (total, trainable, per top-level module; a tied weight counts on
 module that holds it), the size of parameters and buffers at their dtype, and the FLOPs of one
 sample: torch.utils.flop_counter.FlopCounterMode over one forward of `dataset[0]` in eval mode
 under no_grad (nothing trains, BatchNorm's running statistics stay; the torch, numpy and python
-generators are put back after the sample and the forward: the run's draws are the same). Training
-FLOPs are 3x the forward's (backward: 2x, the PaLM / nanoGPT convention). FlopCounterMode counts 0 for the CPU kernel of scaled_dot_product_attention in
-torch 2.14.1 (aten._scaled_dot_product_flash_attention_for_cpu has no formula): trainkit gives it
-torch's own sdpa_flop_count, as the CUDA kernels have. For a GPT the summary also shows nanoGPT's
-estimate 6N + 12·L·H·Q·T per token (N: the parameters less the position embedding; the tied token
+generators are put back after the sample and the forward: the run's draws are the same).
+Training FLOPs are 3x the forward's (backward: 2x, the PaLM / nanoGPT convention).
+
+FlopCounterMode counts 0 for the CPU kernel of scaled_dot_product_attention in torch 2.14.1
+(aten._scaled_dot_product_flash_attention_for_cpu has no formula): trainkit gives it torch's own
+sdpa_flop_count, as the CUDA kernels have. For a GPT the summary also shows nanoGPT's estimate
+6N + 12·L·H·Q·T per token (N: the parameters less the position embedding; the tied token
 embedding is the head's matmul), which ignores bias and LayerNorm FLOPs and counts bias and
 LayerNorm parameters as 6 FLOPs each: the two agree to ~13/(12·n_embd).
 

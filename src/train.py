@@ -27,9 +27,11 @@ from trainkit.halving import EvalBatches
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
+from trainkit.profile import Profiler
 from trainkit.progress import Progress
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
+from trainkit.summary import describe
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
@@ -69,10 +71,15 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         )
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
+    profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
+    task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
+    net = instantiate(cfg.model)
+    # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
+    efficiency = describe(net, train_set, task.items_name, d, cfg.trainer.precision)
     model, comm = wrap(
-        instantiate(cfg.model),
+        net,
         mode,
         d,
         cfg.parallel.sync_bn,
@@ -89,7 +96,6 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     precision = cfg.trainer.precision
     autocast = autocast_for(precision, d.device)
@@ -162,7 +168,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         Progress(d.is_main, total_steps, step) as console,
         stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
         debug.anomaly(cfg.debug.anomaly, d),  # debug=anomaly: the backward function that returned NaN, named
+        profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
     ):
+        logger.summary(efficiency.facts)  # summary.json, W&B's run summary, TensorBoard's text
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             batches = loader.epoch(epoch, start=first_window * auto.K)  # set_epoch: a new permutation per epoch
@@ -223,6 +231,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 step += 1
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
                 console.step()
+                profiler.step()  # once per optimizer step (not per micro-batch): its steps are the rows'
 
                 # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
                 stopping = stopper.due(last=step == total_steps)
@@ -241,6 +250,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 save_now |= stopped_early
                 if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
+                    row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
                 with meter.paused():
                     if eval_now and val:

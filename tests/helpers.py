@@ -192,7 +192,9 @@ TIMINGS = (
     "samples_per_s",
     "tokens_per_s",
     "time/data_wait",
-)  # metrics.jsonl's clock readings: never equal between runs
+    "mem/peak_gb",
+    "mfu",
+)  # metrics.jsonl's clock and memory readings (mfu: from samples_per_s): never equal between runs
 
 
 def without_timings(row: dict) -> dict:

@@ -34,7 +34,8 @@ class MetricsLogger:
     """Rank 0's logger. Use as a context manager: W&B's finish() runs even when training fails."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, wandb_id: str | None):
-        path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        path = self.run_dir / "metrics.jsonl"
         # A fresh run starts the file anew (a previous attempt that died before its first
         # checkpoint left rows of steps that will be trained again); a resumed one keeps the rows
         # up to its checkpoint: those past it will be logged again, and the test row (trainer.test), which
@@ -63,6 +64,15 @@ class MetricsLogger:
                 if key != "step":
                     self.tensorboard.add_scalar(key, value, row["step"])
 
+    def summary(self, facts: dict) -> None:
+        """The run's model summary (trainkit/summary.py): summary.json in the run dir, W&B's run summary,
+        TensorBoard's text."""
+        (self.run_dir / "summary.json").write_text(json.dumps(facts, indent=1) + "\n")
+        if self.wandb is not None:
+            self.wandb.summary.update({f"model/{key}": value for key, value in facts.items()})
+        if self.tensorboard is not None:
+            self.tensorboard.add_text("summary", "".join(f"    {k}: {v}\n" for k, v in facts.items()), 0)
+
     def __enter__(self):
         return self
 
@@ -80,6 +90,9 @@ class NullLogger:
     run_id = None
 
     def log(self, row: dict) -> None:
+        pass
+
+    def summary(self, facts: dict) -> None:
         pass
 
     def __enter__(self):

@@ -28,6 +28,16 @@ class EMA:
 
 
 @dataclass
+class Profile:
+    steps: list[int] | None = None  # null: off | [first, last] optimizer steps, both included (trainkit/profile.py)
+    warmup: int = 1  # steps traced before the window and discarded
+    top: int = 15  # operators in the table rank 0 prints
+    record_shapes: bool = False
+    profile_memory: bool = False  # allocations in the trace; CUDA: memory history from the start, a dump on OOM
+    with_stack: bool = False
+
+
+@dataclass
 class Trainer:
     epochs: int = 20
     max_steps: int | None = None
@@ -42,6 +52,7 @@ class Trainer:
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     ema: EMA = field(default_factory=EMA)
     max_time: str | None = None  # a wall-clock budget of this process, e.g. 3h50m: checkpoint and stop
+    profile: Profile = field(default_factory=Profile)
 
 
 @dataclass

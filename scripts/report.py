@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 RUNNING_S = 300  # no model.pt and a metrics row written this recently: "running", else "stopped"
 ERROR_FILE = "error.txt"  # a failed run's one-line error (trainkit.config.record_failure)
+LEGEND_JOBS = 12  # report.png names the jobs in a legend up to this many
 STUDY_FILE = "study.db"  # an Optuna study's storage (conf/hydra/sweeper/optuna_study.yaml)
 
 
@@ -277,7 +278,8 @@ def plot(jobs: list[Job], common: list[str], path: Path, study: Study | None = N
         ax.grid(alpha=0.3)
     for ax in (by_step, acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    by_step.legend(fontsize="small")
+    if len(jobs) <= LEGEND_JOBS:  # more would crowd the figure out (a study's trials: its table names them)
+        by_step.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

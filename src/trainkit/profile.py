@@ -17,6 +17,7 @@ what is left of the window is profiled. `steps: null` (the default) builds no pr
 """
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 
@@ -83,6 +84,8 @@ class Profiler:
         warmup = min(self.cfg.warmup, before)
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
         self.dir.mkdir(parents=True, exist_ok=True)  # every rank: its own trace
+        if not self.cuda:  # Kineto (torch's tracer) reports "ERROR ... gpuGetDeviceCount failed" on a CPU
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         if self.cuda and self.cfg.profile_memory:
             self._record_memory()  # from the start: an out-of-memory dump shows how memory got there
             torch._C._cuda_attach_out_of_memory_observer(self._out_of_memory)  # type: ignore[attr-defined]

@@ -102,13 +102,15 @@ def test_report_tables_the_trials_and_plots_the_history(study):
 
 
 @pytest.mark.slow
-def test_the_sweeper_refuses_a_dir_of_another_study_and_a_contradicting_direction(study):
+def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_and_fails_with_no_trial(study):
     sweep = study[0]
     other_study = (f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=x")
     contradicting = (f"hydra.sweep.dir={sweep}2", "hydra.sweeper.direction=minimize")
-    other, direction = together(
+    diverging = (f"hydra.sweep.dir={sweep}3", "optim.lr=choice(1e6)", "hydra.sweeper.n_trials=1")
+    other, direction, failing = together(
         lambda: run_train(sweep / "x", *STUDY, *other_study, check=False),
         lambda: run_train(sweep / "x", *STUDY, *contradicting, check=False),
+        lambda: run_train(sweep / "x", *STUDY, *diverging, check=False),
     )
     assert other.returncode == 2
     assert other.stderr.strip().splitlines() == [
@@ -121,6 +123,12 @@ def test_the_sweeper_refuses_a_dir_of_another_study_and_a_contradicting_directio
         "val/acc, is maximized (leave direction auto)"
     ]
     assert not (Path(f"{sweep}2") / "0").exists()
+    assert failing.returncode == 1  # a study with no completed trial has nothing to give: a failure
+    assert failing.stderr.strip().splitlines()[-2:] == [
+        "trial 0 failed: non-finite loss or gradient in steps 1-10 (trainer.on_nonfinite=raise; skip drops "
+        "such windows)",
+        "error: study digits_optuna: 1 trials (1 failed), 1 in all; no trial completed",
+    ]
 
 
 @pytest.mark.slow

@@ -173,11 +173,9 @@ class Study(OptunaSweeperImpl):
             return
         try:
             super().sweep(arguments)
-        except ValueError:
-            if not self._completed():  # optuna: no best trial to report (every trial failed)
-                print(f"error: study {self.study_name}: no trial completed", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            raise
+        except ValueError:  # optuna has no best trial to report when every trial failed: said below
+            if self._completed():
+                raise
         finally:
             if self.lockstep is not None:
                 self.lockstep.publish(None)
@@ -196,19 +194,21 @@ class Study(OptunaSweeperImpl):
         return [t for t in self._trials() if t.state == optuna.trial.TrialState.COMPLETE]
 
     def _summary(self) -> None:
-        if not self.storage:
-            return
-        study = optuna.load_study(study_name=self.study_name, storage=self.storage)
-        failed = [t for t in study.trials[self.earlier :] if t.state == optuna.trial.TrialState.FAIL]
-        best = study.best_trial
-        params = " ".join(f"{k}={v}" for k, v in best.params.items())
-        print(
-            f"study {self.study_name}: {len(study.trials) - self.earlier} trials ({len(failed)} failed), "
-            f"{len(study.trials)} in all; best trial {best.number}: {best.value:.6g} with {params}",
-            flush=True,
-        )
+        """This command's failed trials, one line each, then the study's best; exit 1 when none completed."""
+        trials = self._trials()
+        failed = [t for t in trials[self.earlier :] if t.state == optuna.trial.TrialState.FAIL]
         for trial in failed:
             print(f"trial {trial.number} failed: {trial.user_attrs.get('error', '?')}", file=sys.stderr, flush=True)
+        if not trials:  # an in-memory study (storage null): the plugin logged its best
+            return
+        ran = len(trials) - self.earlier
+        said = f"study {self.study_name}: {ran} trials ({len(failed)} failed), {len(trials)} in all"
+        if not (done := self._completed()):
+            print(f"error: {said}; no trial completed", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        best = (max if self.direction == "maximize" else min)(done, key=lambda t: t.value)
+        params = " ".join(f"{k}={v}" for k, v in best.params.items())
+        print(f"{said}; best trial {best.number}: {best.value:.6g} with {params}", flush=True)
 
 
 class _Trials(Launcher):

@@ -1,6 +1,7 @@
 """The same experiment on any allocation (issue 18): a checkpoint resumes on another world size at
 the same global batch (K adapts) and ends where the uninterrupted run ends, to reduction order."""
 
+import math
 import shutil
 from pathlib import Path
 
@@ -99,3 +100,13 @@ def test_another_global_batch_is_refused_naming_the_key_that_adapts_k():
         r"accumulation.global_batch_size=32 \(K adapts\)",
     ):
         check_compatible({"global_batch": 32}, {"global_batch": 16})
+
+
+def test_a_nan_setting_resumes_and_an_older_checkpoint_without_the_train_split_size_too():
+    from trainkit.checkpoint import check_compatible
+    from trainkit.config import ConfigError
+
+    check_compatible({"model.fault": math.nan}, {"model.fault": math.nan})  # NaN is never == itself
+    check_compatible({"seed": 0}, {"seed": 0, "data.train_samples": 1079})  # written before it was recorded
+    with pytest.raises(ConfigError, match="data.train_samples=270, this run has data.train_samples=1079"):
+        check_compatible({"data.train_samples": 270}, {"data.train_samples": 1079})

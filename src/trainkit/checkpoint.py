@@ -14,6 +14,7 @@ DCP is not used for single/DDP: it unpickles its `.metadata` (and non-tensor ite
 weights_only, and DDP's replicated state fits one file. Resume FSDP checkpoints you trust only.
 """
 
+import math
 import os
 import pickle
 import re
@@ -355,7 +356,9 @@ def check_compatible(saved: dict, current: dict) -> None:
     its source (`{"sha256": ..., "source": ...}`: a corpus and the Python it came from) is compared
     by its checksum alone and said with its source."""
     for key in current:
-        if _content(saved.get(key)) != _content(current[key]):
+        if key == "data.train_samples" and key not in saved:
+            continue  # a checkpoint written before trainkit recorded it: its config's keys still decide
+        if not _same(_content(saved.get(key)), _content(current[key])):
             hint = (
                 f"; on another world size set accumulation.global_batch_size={saved[key]} (K adapts)"
                 if key == "global_batch"
@@ -366,6 +369,11 @@ def check_compatible(saved: dict, current: dict) -> None:
                 f"this run has {key}={_said(current[key])}; exact resume needs the same "
                 f"(or choose another hydra.run.dir){hint}"
             )
+
+
+def _same(a, b) -> bool:
+    """==, and NaN equals NaN (e.g. +model.fault=nan: a float NaN is never == itself)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def _content(value):

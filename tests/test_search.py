@@ -4,6 +4,7 @@ two ranks of a torchrun study, and the sweeper's refusals."""
 
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,10 +108,13 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
     other_study = (f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=x")
     contradicting = (f"hydra.sweep.dir={sweep}2", "hydra.sweeper.direction=minimize")
     diverging = (f"hydra.sweep.dir={sweep}3", "optim.lr=choice(1e6)", "hydra.sweeper.n_trials=1")
-    other, direction, failing = together(
+    shutil.copytree(sweep, f"{sweep}4")  # the same study, asked with another space for optim.lr
+    respaced = (f"hydra.sweep.dir={sweep}4", "optim.lr=interval(0.01,0.1)")
+    other, direction, failing, another_space = together(
         lambda: run_train(sweep / "x", *STUDY, *other_study, check=False),
         lambda: run_train(sweep / "x", *STUDY, *contradicting, check=False),
         lambda: run_train(sweep / "x", *STUDY, *diverging, check=False),
+        lambda: run_train(sweep / "x", *STUDY, *respaced, check=False),
     )
     assert other.returncode == 2
     assert other.stderr.strip().splitlines() == [
@@ -129,6 +133,14 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
         "such windows)",
         "error: study digits_optuna: 1 trials (1 failed), 1 in all; no trial completed",
     ]
+    assert another_space.returncode == 2
+    assert another_space.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.params: Cannot set different distribution kind to the same parameter name. Study "
+        "digits_optuna searched another space for it: change the space in a new study (hydra.sweeper.study_name, "
+        "or another hydra.sweep.dir)"
+    ]
+    asked = trials(Path(f"{sweep}4"))[-1]  # the trial asked before the parameter was refused: not left running
+    assert asked.number == 5 and asked.state == optuna.trial.TrialState.FAIL
 
 
 @pytest.mark.slow

@@ -158,7 +158,15 @@ class Study(OptunaSweeperImpl):
                 )
 
     def _configure_trials(self, trials: list, *args: Any) -> Sequence[Sequence[str]]:
-        overrides = super()._configure_trials(trials, *args)
+        try:
+            overrides = super()._configure_trials(trials, *args)
+        except ValueError as error:  # optuna: a parameter asked with another distribution than the study's
+            for trial in trials:
+                trial.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise ConfigError(
+                f"hydra.sweeper.params: {error} Study {self.study_name} searched another space for it: "
+                "change the space in a new study (hydra.sweeper.study_name, or another hydra.sweep.dir)"
+            ) from None
         numbers = [trial.number for trial in trials]
         if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
             raise ConfigError(f"trials {numbers} of study {self.study_name}: another command asks it at once")

@@ -25,10 +25,10 @@ from trainkit.evaluate import evaluate, evaluate_averaged
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
 from trainkit.metrics import TrainMeter, make_logger
-from trainkit.parallel import full_tensor, resolve_mode, unwrap, wrap
+from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.profile import Profiler
-from trainkit.progress import Progress
+from trainkit.progress import Progress, done_line
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
 from trainkit.summary import describe
@@ -78,21 +78,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     net = instantiate(cfg.model)
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
     efficiency = describe(net, train_set, task.items_name, d, cfg.trainer.precision)
-    model, comm = wrap(
-        net,
-        mode,
-        d,
-        cfg.parallel.sync_bn,
-        precision=cfg.trainer.precision,
-        shard_units=cfg.parallel.shard_units,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
-        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-        comm_hook=cfg.parallel.comm_hook,
-        static_graph=cfg.parallel.static_graph,
-        reduce_dtype=cfg.parallel.reduce_dtype,
-        replicate=cfg.parallel.replicate,
-        compile=cfg.trainer.compile,
-    )
+    # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
+    wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
+    model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
@@ -290,11 +278,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             test_batches.check()
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
             console.print(heldout.line(test))
-        summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
-        if selection.best is not None:
-            summary += f", best {monitor} {selection.best:.4f} at step {selection.best_step}"
-        summary += f", test acc {test['test/acc']:.4f}" if test else ""
-        d.print0(f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}")
+        console.print(done_line(step, val, selection, test, wrote))  # done: N steps, val acc, best, test acc; wrote
     return selection.best if selection.monitor else val.get("val/acc")
 
 

@@ -68,6 +68,18 @@ def _counting(state: tuple, bucket: torch.distributed.GradBucket):
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype (FSDP)
 
 
+# wrap()'s keyword arguments that are parallel.* keys of the same name (train.py passes them through)
+WRAP_SETTINGS = (
+    "shard_units",
+    "reshard_after_forward",
+    "bucket_cap_mb",
+    "comm_hook",
+    "static_graph",
+    "reduce_dtype",
+    "replicate",
+)
+
+
 def wrap(
     model: nn.Module,
     mode: str,

@@ -57,3 +57,13 @@ class Progress:
     def __exit__(self, *_):
         if self.bar is not None:
             self.bar.close()
+
+
+def done_line(step: int, val: dict, selection, test: dict, wrote: list) -> str:
+    """The run's last line: its steps, the last val/acc, the best monitored value (trainkit.selection)
+    and its step, the test accuracy, the files written."""
+    summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
+    if selection.best is not None:
+        summary += f", best {selection.monitor} {selection.best:.4f} at step {selection.best_step}"
+    summary += f", test acc {test['test/acc']:.4f}" if test else ""
+    return f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}"

@@ -323,10 +323,13 @@ def _check_agreement(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"model.{model_key}={_override_text(mine)} must be {relation} data.{data_key}={_override_text(theirs)}"
             )
-    if "in_channels" in model and data.get("shape") is not None and model.in_channels != data.shape[0]:
-        raise ConfigError(
-            f"model.in_channels={model.in_channels} must equal the channels of data.shape={_override_text(data.shape)}"
-        )
+    for key in ("in_channels", "in_chans"):  # trainkit's models; timm's
+        if key in model and data.get("shape") is not None and model[key] != data.shape[0]:
+            raise ConfigError(
+                f"model.{key}={model[key]} must equal the channels of data.shape={_override_text(data.shape)}"
+            )
+    if model.get("img_size") is not None and data.get("shape") is not None and model.img_size != data.shape[-1]:
+        raise ConfigError(f"model.img_size={model.img_size} must equal the size of data.shape={_override_text(data.shape)}")
     task = OmegaConf.get_type(cfg.task)
     if task is schema.LanguageModel and data.get("vocab_size") is None:
         raise ConfigError(

@@ -169,6 +169,18 @@ class ResNet18:
 
 
 @dataclass
+class Timm:
+    _target_: str = MISSING
+    name: str = "resnet18"
+    num_classes: int = MISSING
+    in_chans: int = MISSING
+    img_size: int | None = None  # where the architecture takes one (ViTs); CNNs take any
+    pretrained: bool = False
+    activation_checkpointing: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class GPT:
     _target_: str = MISSING
     vocab_size: int = MISSING
@@ -341,7 +353,7 @@ def register() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=Train)
     options: dict[str, dict[str, type]] = {
-        "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT},
+        "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT, "timm": Timm},
         "optim": {"adamw": AdamW, "sgd": SGD},
         "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
         "task": {"classification": Classification, "lm": LanguageModel},

@@ -1,0 +1,131 @@
+"""model=timm: timm's zoo by name. Its classes and channels come from the data, an unknown name is one
+line, parallel=fsdp shards per residual block with no extra keys, 2 DDP / FSDP ranks train as one
+process at the same global batch (SyncBN for the ResNet's BatchNorm), activation checkpointing is the
+same step bit for bit, and trainer.compile trains it like eager."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.distributed.fsdp import FSDPModule
+
+from helpers import compose_cfg, max_diff, run_distributed, run_in_process, run_train, weights
+from trainkit.dist import Dist
+from trainkit.errors import ConfigError
+from trainkit.parallel import fsdp_units, wrap
+from trainkit.timm_models import timm_model
+
+# The smallest timm ResNet (4 BasicBlocks, BatchNorm) at 16x16 and a ViT-Tiny at 32x32 (patch 16: 4
+# tokens, 12 Blocks), 2 SGD steps of a global batch 16 on data=fake.
+SMALL = ["model=timm", "data=fake", "data.splits.train_size=64", "data.splits.val_size=16", "logger=none"]
+RESNET = [*SMALL, "model.name=resnet10t", "data.shape=[3,16,16]"]
+VIT = [*SMALL, "model.name=vit_tiny_patch16_224", "data.shape=[3,32,32]"]
+STEPS = ["optim=sgd", "optim.lr=0.1", "trainer.max_steps=2", "trainer.eval_every=2", "checkpoint.every=0"]
+ONE, TWO = ["data.batch_size=16"], ["data.batch_size=8"]
+# SGD's update is lr x gradient: 2 ranks and one process differ by the gradient's reduction-order
+# rounding (the all-reduce's sum of two halves against one sum; SyncBN's merged statistics against one
+# batch's): measured 1.2e-7 (ResNet), 7.5e-9 (ViT); 1e-5 is 80x that, and BatchNorm on each rank's half
+# alone (sync_bn off) moves them by 9.0e-2 (asserted below: over 1e-3).
+TOLERANCE = dict(rtol=0, atol=1e-5)
+
+
+def assert_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], **TOLERANCE, msg=key)
+
+
+def test_classes_and_channels_come_from_the_data():
+    cfg = compose_cfg("model=timm", "model.name=resnet10t", "data=fake", "data.num_classes=7", "data.shape=[1,16,16]")
+    model = instantiate(cfg.model)
+    assert model(torch.randn(2, 1, 16, 16)).shape == (2, 7)
+    cfg = compose_cfg(*VIT, "data.num_classes=5")  # the ViT takes its image size from the data too
+    model = instantiate(cfg.model)
+    assert model.patch_embed.img_size == (32, 32) and model(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+
+
+def test_an_unknown_name_is_one_line_with_close_matches(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        timm_model("resnet181", 10, 3)
+    assert str(error.value) == (
+        "model.name=resnet181 is not a timm model; close: resnet18, resnet18d, resnet101, skresnet18, "
+        "seresnet18 (all: timm.list_models('PATTERN'))"
+    )
+    proc = run_train(tmp_path, *SMALL, "model.name=resnet181", "trainer.max_steps=1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith("(all: timm.list_models('PATTERN'))")
+
+
+def test_units_are_the_residual_blocks():
+    resnet = timm_model("resnet10t", 10, 3)
+    assert fsdp_units(resnet) == [block for stage in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4)
+                                  for block in stage]  # fmt: skip
+    vit = timm_model("vit_tiny_patch16_224", 10, 3, img_size=32)
+    assert fsdp_units(vit) == list(vit.blocks)
+
+
+def _sharded_classes(rank, world_size):
+    torch.manual_seed(0)
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    model, _ = wrap(timm_model("vit_tiny_patch16_224", 10, 3, img_size=32), "fsdp", d)
+    # fully_shard swaps a module's class for FSDP<its class>
+    return sorted(type(m).__name__.removeprefix("FSDP") for m in model.modules() if isinstance(m, FSDPModule))
+
+
+def test_fsdp_shards_each_vit_block_with_no_extra_keys():
+    for classes in run_distributed(_sharded_classes, 2):
+        assert classes == ["Block"] * 12 + ["VisionTransformer"]  # 12 Blocks, and the root
+
+
+@pytest.fixture(scope="module")
+def resnet_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resnet")
+    run_in_process(root / "single", *RESNET, *STEPS, *ONE)
+    for name, extra in [("ddp", ["parallel=ddp"]), ("fsdp", ["parallel=fsdp"]), ("no_sync_bn", ["parallel=ddp"])]:
+        sync_bn = "parallel.sync_bn=false" if name == "no_sync_bn" else "parallel.sync_bn=true"
+        run_in_process(root / name, *RESNET, *STEPS, *TWO, *extra, sync_bn, nproc=2)
+    return {name: weights(root / name) for name in ("single", "ddp", "fsdp", "no_sync_bn")}
+
+
+def test_a_resnet_on_two_ranks_trains_as_one_process(resnet_runs):
+    single, ddp, fsdp = resnet_runs["single"], resnet_runs["ddp"], resnet_runs["fsdp"]
+    print(f"max |DDP - single| {max_diff(ddp, single):.2e}, |FSDP - DDP| {max_diff(fsdp, ddp):.2e}")
+    assert_close(ddp, single)
+    assert_close(fsdp, ddp)
+    # Without SyncBN each rank normalises by its own half batch: another model, far outside the tolerance.
+    apart = max_diff(resnet_runs["no_sync_bn"], single)
+    print(f"max |DDP without sync_bn - single| {apart:.2e}")
+    assert apart > 1e-3
+
+
+def test_a_vit_under_fsdp_trains_as_one_process(tmp_path):
+    run_in_process(tmp_path / "single", *VIT, *STEPS, *ONE)
+    run_in_process(tmp_path / "fsdp", *VIT, *STEPS, *TWO, "parallel=fsdp", nproc=2)
+    single, fsdp = weights(tmp_path / "single"), weights(tmp_path / "fsdp")
+    print(f"max |FSDP - single| {max_diff(fsdp, single):.2e}")
+    assert_close(fsdp, single)
+
+
+@pytest.mark.parametrize("name", ["resnet10t", "vit_tiny_patch16_224"])
+def test_activation_checkpointing_is_the_same_step_bit_for_bit(name):
+    results, recomputed = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = timm_model(name, 10, 3, img_size=32, activation_checkpointing=checkpointing)
+        calls: list[int] = []  # the forwards of each block's first layer: rerun in a checkpointed backward
+        for block in fsdp_units(model):
+            next(block.children()).register_forward_pre_hook(lambda *_: calls.append(1))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads, model.state_dict()))
+        recomputed.append(len(calls))
+    (loss_a, grads_a, state_a), (loss_b, grads_b, state_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)  # BatchNorm's running statistics too
+    blocks = len(fsdp_units(model))
+    assert recomputed == [blocks, 2 * blocks]  # each block once in forward, once more in backward

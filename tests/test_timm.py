@@ -105,6 +105,10 @@ def test_a_vit_under_fsdp_trains_as_one_process(tmp_path):
     single, fsdp = weights(tmp_path / "single"), weights(tmp_path / "fsdp")
     print(f"max |FSDP - single| {max_diff(fsdp, single):.2e}")
     assert_close(fsdp, single)
+    # Each Block checkpointed inside its FSDP unit (FSDP2's hooks around the segment): the same run, bit for bit.
+    run_in_process(tmp_path / "ac", *VIT, *STEPS, *TWO, "parallel=fsdp", "model.activation_checkpointing=true", nproc=2)
+    checkpointed = weights(tmp_path / "ac")
+    assert all(torch.equal(checkpointed[key], fsdp[key]) for key in fsdp)
 
 
 @pytest.mark.parametrize("name", ["resnet10t", "vit_tiny_patch16_224"])
@@ -129,3 +133,16 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(name):
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)  # BatchNorm's running statistics too
     blocks = len(fsdp_units(model))
     assert recomputed == [blocks, 2 * blocks]  # each block once in forward, once more in backward
+
+
+@pytest.mark.slow
+def test_a_compiled_resnet_trains_as_eager(tmp_path, monkeypatch):
+    # A process of its own (test_compile.py: inductor's state would stay in this one), 2 steps at 16x16.
+    monkeypatch.setitem(os.environ, "TORCH_LOGS", "graph_code")  # dynamo prints each graph it compiles
+    quick = ["trainer.eval_every=100", "trainer.test=false"]  # training graphs only (eval mode compiles anew)
+    run_in_process(tmp_path / "eager", *RESNET, *STEPS, *ONE, *quick)
+    proc = run_train(tmp_path / "compiled", *RESNET, *STEPS, *ONE, *quick, "trainer.compile=true")
+    assert "TRACED GRAPH" in proc.stderr  # compiled, not silently eager
+    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    print(f"max |compiled - eager| {max_diff(compiled, eager):.2e}")
+    assert_close(compiled, eager)  # inductor's fused kernels round otherwise: test_compile.py's 1e-5

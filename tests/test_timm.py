@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from torch.distributed.fsdp import FSDPModule
 
 from helpers import compose_cfg, max_diff, run_distributed, run_in_process, run_train, weights
+from trainkit import config
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.parallel import fsdp_units, wrap
@@ -44,6 +45,14 @@ def test_classes_and_channels_come_from_the_data():
     cfg = compose_cfg(*VIT, "data.num_classes=5")  # the ViT takes its image size from the data too
     model = instantiate(cfg.model)
     assert model.patch_embed.img_size == (32, 32) and model(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+    # Set by hand against the data: named before anything is built (else a shape error at the first forward).
+    for override, line in [
+        ("model.img_size=64", "model.img_size=64 must equal the size of data.shape=[3,32,32]"),
+        ("model.in_chans=1", "model.in_chans=1 must equal the channels of data.shape=[3,32,32]"),
+        ("model.num_classes=5", "model.num_classes=5 must be at least data.num_classes=10"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{line}$".replace("[", r"\[")):
+            config.check(compose_cfg(*VIT, override))
 
 
 def test_an_unknown_name_is_one_line_with_close_matches(tmp_path):
@@ -119,7 +128,7 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(name):
         model = timm_model(name, 10, 3, img_size=32, activation_checkpointing=checkpointing)
         calls: list[int] = []  # the forwards of each block's first layer: rerun in a checkpointed backward
         for block in fsdp_units(model):
-            next(block.children()).register_forward_pre_hook(lambda *_: calls.append(1))
+            next(block.children()).register_forward_pre_hook(lambda *_, c=calls: c.append(1))
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
         loss = F.cross_entropy(model(x), y)

@@ -329,7 +329,9 @@ def _check_agreement(cfg: DictConfig) -> None:
                 f"model.{key}={model[key]} must equal the channels of data.shape={_override_text(data.shape)}"
             )
     if model.get("img_size") is not None and data.get("shape") is not None and model.img_size != data.shape[-1]:
-        raise ConfigError(f"model.img_size={model.img_size} must equal the size of data.shape={_override_text(data.shape)}")
+        raise ConfigError(
+            f"model.img_size={model.img_size} must equal the size of data.shape={_override_text(data.shape)}"
+        )
     task = OmegaConf.get_type(cfg.task)
     if task is schema.LanguageModel and data.get("vocab_size") is None:
         raise ConfigError(

@@ -18,7 +18,6 @@ import difflib
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,15 +46,16 @@ def timm_model(
         close = close or timm.list_models(f"*{name.split('_')[0][:6]}*")[:5]
         hint = f"; close: {', '.join(close)}" if close else ""
         raise ConfigError(f"model.name={name} is not a timm model{hint} (all: timm.list_models('PATTERN'))")
-    args = dict(pretrained=pretrained, num_classes=num_classes, in_chans=in_chans, **(kwargs or {}))
+    args: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans, **(kwargs or {}))
+    sized = args | ({"img_size": img_size} if img_size is not None else {})
     try:
-        model = timm.create_model(name, **args, **({"img_size": img_size} if img_size is not None else {}))
+        model = timm.create_model(name, pretrained, **sized)
     except TypeError as error:
         if img_size is None or "img_size" not in str(error):
             raise
-        model = timm.create_model(name, **args)  # the architecture takes any size (a CNN)
+        model = timm.create_model(name, pretrained, **args)  # the architecture takes any size (a CNN)
     units = block_classes(model)
-    model.shard_units = units or None  # None: trainkit's default units
+    model.shard_units = units or None  # type: ignore[assignment]  # None: trainkit's default units
     if activation_checkpointing:
         for block in outermost(model, units):
             checkpoint_forward(block)
@@ -92,8 +92,10 @@ def checkpoint_forward(block: nn.Module) -> None:
     def forward(*args, **kwargs):
         if not recomputing_pays(block):
             return plain(*args, **kwargs)
-        keep = (lambda: (nullcontext(), _KeepBatchNormStats([block])))  # fmt: skip
-        return checkpoint(plain, *args, use_reentrant=False, context_fn=keep, **kwargs)
+
+        def contexts():  # forward's, and the recomputation's: BatchNorm's running statistics put back
+            return nullcontext(), _KeepBatchNormStats([block])
+
+        return checkpoint(plain, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     block.forward = forward
-

@@ -66,6 +66,14 @@ def test_an_unknown_name_is_one_line_with_close_matches(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith("(all: timm.list_models('PATTERN'))")
 
 
+def test_pretrained_weights_out_of_reach_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a download in the suite, network or not
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    proc = run_train(tmp_path / "run", *RESNET, "model.pretrained=true", "trainer.max_steps=1", check=False)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "model.pretrained=true: no weights for resnet10t" in line and "HF_HOME" in line
+
+
 def test_units_are_the_residual_blocks():
     resnet = timm_model("resnet10t", 10, 3)
     assert fsdp_units(resnet) == [block for stage in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4)

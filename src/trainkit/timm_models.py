@@ -49,11 +49,18 @@ def timm_model(
     args: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans, **(kwargs or {}))
     sized = args | ({"img_size": img_size} if img_size is not None else {})
     try:
-        model = timm.create_model(name, pretrained, **sized)
-    except TypeError as error:
-        if img_size is None or "img_size" not in str(error):
-            raise
-        model = timm.create_model(name, pretrained, **args)  # the architecture takes any size (a CNN)
+        try:
+            model = timm.create_model(name, pretrained, **sized)
+        except TypeError as error:
+            if img_size is None or "img_size" not in str(error):
+                raise
+            model = timm.create_model(name, pretrained, **args)  # the architecture takes any size (a CNN)
+    except OSError as error:  # the hub's download or cache lookup (requests' errors are OSErrors too)
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"model.pretrained=true: no weights for {name} ({first}); timm takes them from the Hugging Face "
+            "hub: the network, or its cache filled beforehand (HF_HOME)"
+        ) from None
     units = block_classes(model)
     model.shard_units = units or None  # type: ignore[assignment]  # None: trainkit's default units
     if activation_checkpointing:

@@ -59,11 +59,14 @@ def test_an_unknown_name_is_one_line_with_close_matches(tmp_path):
     with pytest.raises(ConfigError) as error:
         timm_model("resnet181", 10, 3)
     assert str(error.value) == (
-        "model.name=resnet181 is not a timm model; close: resnet18, resnet18d, resnet101, skresnet18, "
-        "seresnet18 (all: timm.list_models('PATTERN'))"
+        "model.name=resnet181 is not a timm model; close: resnet18, resnet18d, resnet101, resnet101_clip, "
+        "resnet101_clip_gap (all: timm.list_models('PATTERN'))"
     )
-    proc = run_train(tmp_path, *SMALL, "model.name=resnet181", "trainer.max_steps=1", check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith("(all: timm.list_models('PATTERN'))")
+    proc = run_train(tmp_path, *SMALL, "model.name=vit_tinny", "trainer.max_steps=1", check=False)
+    line = proc.stderr.strip().splitlines()[-1]  # a misspelling, from the command line: by the name's start too
+    assert proc.returncode == 2 and line.startswith(
+        "error: model.name=vit_tinny is not a timm model; close: vit_tiny_patch16_224,"
+    )
 
 
 def test_pretrained_weights_out_of_reach_are_one_line(tmp_path, monkeypatch):

@@ -42,8 +42,7 @@ def timm_model(
     import timm
 
     if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-        close = close or timm.list_models(f"*{name.split('_')[0][:6]}*")[:5]
+        close = close_names(name, timm.list_models())
         hint = f"; close: {', '.join(close)}" if close else ""
         raise ConfigError(f"model.name={name} is not a timm model{hint} (all: timm.list_models('PATTERN'))")
     args: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans, **(kwargs or {}))
@@ -67,6 +66,19 @@ def timm_model(
         for block in outermost(model, units):
             checkpoint_forward(block)
     return model
+
+
+def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
+    """The `n` names most like `name`, whole or by their start (vit_tinny: vit_tiny_patch16_224, ...)."""
+
+    def like(other: str) -> float:
+        return max(_ratio(name, other), _ratio(name, other[: len(name)]) - 0.01)  # ties: the whole name first
+
+    return [other for other in sorted(names, key=like, reverse=True)[:n] if like(other) >= 0.6]
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 def is_block(module: nn.Module) -> bool:

@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist, heldout, sampling, text, tokens
+from trainkit import config, dist, heldout, sampling, text
 from trainkit.addition import END, IGNORE
 from trainkit.errors import ConfigError
 from trainkit.inference import generate, predict
@@ -31,6 +31,7 @@ from trainkit.precision import autocast_for
 from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
+from trainkit.tokens import META_FILE, Codec, is_tokens_run
 
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
@@ -107,7 +108,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
 SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)
 
 
-def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | tokens.Codec, d: dist.Dist, out_dir: Path) -> None:
+def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, d: dist.Dist, out_dir: Path) -> None:
     """Text samples from a text run's model: samples.txt and stdout (rank 0)."""
     run_dir = Path(cfg.run_dir)
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
@@ -139,13 +140,13 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     """Load the run's config and check the settings (before the process group: fail fast, on every
     rank alike), join the process group, predict (or sample, from a text run) into `out_dir`."""
     run_cfg = load_run_config(cfg, "predict", heldout.SPLITS)
-    vocab = Vocabulary.load(Path(cfg.run_dir)) or tokens.Codec.load(Path(cfg.run_dir))  # a text run's, else None
+    vocab = Vocabulary.load(Path(cfg.run_dir)) or Codec.load(Path(cfg.run_dir))  # a text run's, else None
     if vocab is not None:
         sampling.check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)
     elif text.is_text_run(run_cfg):  # else it would be taken for an addition run and fail at the end
         raise ConfigError(f"run_dir={cfg.run_dir} is a text run (data={run_cfg.data.name}) without its {VOCAB_FILE}")
-    elif tokens.is_tokens_run(run_cfg):
-        raise ConfigError(f"run_dir={cfg.run_dir} is a tokens run without its {tokens.META_FILE}")
+    elif is_tokens_run(run_cfg):
+        raise ConfigError(f"run_dir={cfg.run_dir} is a tokens run without its {META_FILE}")
     else:  # a setting that would be silently ignored
         defaults = cast(DictConfig, OmegaConf.load(DEFAULTS))
         if given := [f"{key}={cfg[key]}" for key in SAMPLING_KEYS if cfg[key] != defaults[key]]:

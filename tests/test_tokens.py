@@ -70,6 +70,13 @@ def test_splits_are_memory_mapped_and_tile_val(corpora):
     assert real.sum() == meta["tokens"]["val"] - 1  # every val token but the first is a target once
     assert torch.equal(ys[real], torch.from_numpy(np.asarray(val.tokens[1:], dtype=np.int64)))
     assert train.summary.startswith(f"data: {corpora['bytes'].resolve()} (bytes tokenizer")
+    sources = {p.read_text() for p in (corpora["bytes"].parent / "src").rglob("f*")}
+    for kind, root in corpora.items():  # what the dataset reads is the documents' tokens (its dtype)
+        codec, data = tokens.Codec.load(root), tokens.splits(str(root), block_size=16)
+        assert codec is not None
+        for split in data:
+            ends = np.flatnonzero(np.asarray(split.tokens) == codec.eot)
+            assert codec.decode(split.tokens[: ends[0]].tolist()) in sources, kind
     assert set(train.files) == {"meta.json", "tokenizer.json"}
 
 

@@ -10,6 +10,7 @@ encoded, a file at a time: memory holds one document, not the corpus.
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -100,7 +101,8 @@ def prepare(
     (folder / TOKENIZER_FILE).write_text(tokenizer_text)
     codec = Codec(tokenizer, tokenizer_text if tokenizer == "bpe" else None)
     dtype = np.uint16 if codec.size <= 65536 else np.uint32
-    sources = hashlib.sha256()
+    sources = hashlib.sha256()  # names relative to the files' common folder: the same corpus wherever it lies
+    common = Path(os.path.commonpath([path.parent for path in files]))
     tokens, size = {}, 0
     with tqdm(total=len(files), unit="file", disable=not progress) as bar:
         for name in SPLITS:
@@ -109,7 +111,7 @@ def prepare(
                 for path in split[name]:
                     raw = path.read_bytes()
                     size += len(raw)
-                    sources.update(f"{path}\0".encode() + raw + b"\0")
+                    sources.update(f"{path.relative_to(common)}\0".encode() + raw + b"\0")
                     ids = np.array(codec.encode(raw.decode("utf-8", errors="replace")) + [codec.eot], dtype=dtype)
                     f.write(ids.tobytes())
                     count += len(ids)

@@ -1,4 +1,5 @@
-"""Sampling text from a trained character or token model (data=tokens: its tokenizer, trainkit/tokens.py) (predict.py on a text run: prompt=, temperature=, ...).
+"""Sampling text from a trained character or token model (predict.py on a text run: prompt=, temperature=,
+...; data=tokens: through its tokenizer, trainkit/tokens.py).
 
 Each sample draws from its own generator, seeded from (seed, sample index): what sample i is does
 not depend on how many ranks share the work or which one draws it. A sample is generated alone (a

@@ -58,8 +58,11 @@ class Codec:
         elif kind == "bpe":
             from tokenizers import Tokenizer
 
-            self._bpe = Tokenizer.from_str(tokenizer_json)
-            self.size, self.eot = self._bpe.get_vocab_size(), self._bpe.token_to_id(EOT_TEXT)
+            self._bpe = Tokenizer.from_str(tokenizer_json or "")
+            eot = self._bpe.token_to_id(EOT_TEXT)
+            if eot is None:
+                raise ConfigError(f"{TOKENIZER_FILE} has no {EOT_TEXT} token: prepare it with scripts/prepare_text.py")
+            self.size, self.eot = self._bpe.get_vocab_size(), eot
         else:
             raise ConfigError(f"tokenizer={kind} must be bytes or bpe")
 
@@ -205,7 +208,9 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
     tokens = {split: open_split(root, meta, split) for split in SPLITS}
     if len(tokens["train"]) <= block_size:
         raise ConfigError(f"data.root={root}: train.bin's {len(tokens['train'])} tokens fill no block of {block_size}")
-    train = RandomBlocks(tokens["train"], block_size) if random_offsets else Tiles(tokens["train"], block_size, codec.eot)
+    train = (
+        RandomBlocks(tokens["train"], block_size) if random_offsets else Tiles(tokens["train"], block_size, codec.eot)
+    )
     val, test = Tiles(tokens["val"], block_size, codec.eot), Tiles(tokens["test"], block_size, codec.eot)
     source = f"{folder.resolve()} ({meta['tokenizer']} tokenizer, sha256 {tokenizer_sha[:12]})"
     train.identity = {

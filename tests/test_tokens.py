@@ -74,8 +74,10 @@ def test_splits_are_memory_mapped_and_tile_val(corpora):
     for kind, root in corpora.items():  # what the dataset reads is the documents' tokens (its dtype)
         codec, data = tokens.Codec.load(root), tokens.splits(str(root), block_size=16)
         assert codec is not None
-        for split in data:
+        counts = json.loads((root / "meta.json").read_text())["documents"]
+        for name, split in zip(tokens.SPLITS, data, strict=True):
             ends = np.flatnonzero(np.asarray(split.tokens) == codec.eot)
+            assert len(ends) == counts[name] and ends[-1] == len(split.tokens) - 1, (kind, name)
             assert codec.decode(split.tokens[: ends[0]].tolist()) in sources, kind
     assert set(train.files) == {"meta.json", "tokenizer.json"}
 

@@ -3,6 +3,7 @@ the memory-mapped splits, random blocks that do not depend on the world size, 2 
 process, an exact resume mid-epoch, a resume on another tokenizer or corpus refused, bad roots in one line."""
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def test_both_tokenizers_round_trip_text_and_the_split_is_by_document(corpora):
 def test_splits_are_memory_mapped_and_tile_val(corpora):
     train, val, test = tokens.splits(str(corpora["bytes"]), block_size=16)
     assert all(isinstance(s.tokens, np.memmap) for s in (train, val, test))  # never read whole
+    sent = pickle.dumps(train)  # to a spawned loader worker: the file's name, not its tokens
+    assert len(sent) < 2000 and isinstance(pickle.loads(sent).tokens, np.memmap)
+    assert torch.equal(pickle.loads(pickle.dumps(val))[3][1], val[3][1])
     meta = json.loads((corpora["bytes"] / "meta.json").read_text())
     assert len(train) == (meta["tokens"]["train"] - 1) // 16 and train.draws_random and not val.draws_random
     ys = torch.stack([val[i][1] for i in range(len(val))])

@@ -141,6 +141,16 @@ class _Split:
     summary = ""
     tokens: np.memmap
 
+    def __getstate__(self) -> dict:
+        """Pickled (a spawned loader worker) as its file, re-mapped on arrival: numpy pickles a memmap's data."""
+        state = self.__dict__.copy()
+        state["tokens"] = (self.tokens.filename, self.tokens.dtype.str, len(self.tokens))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        filename, dtype, count = state["tokens"]
+        self.__dict__ |= state | {"tokens": np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=(count,))}
+
 
 class RandomBlocks(_Split, Dataset):
     """(tokens - 1) // block_size blocks per epoch, each at a start drawn from torch's generator

@@ -236,3 +236,23 @@ def test_predict_samples_a_tokens_run_through_its_tokenizer_without_the_corpus(c
     (tmp_path / "run" / "meta.json").unlink()
     with pytest.raises(ConfigError, match="is a tokens run without its meta.json"):
         run_in_process(tmp_path / "out2", f"run_dir={tmp_path / 'run'}", *settings, script="predict")
+
+
+def test_the_script_writes_the_same_corpus_and_says_its_throughput(corpora, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    sources = corpora["bytes"].parent / "src"
+    out = tmp_path / "bytes"
+    args = [str(sources), "--out", str(out), "--val-fraction", str(1 / 6)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prepare_text.py"), *args], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert " MB/s" in proc.stdout and "12 documents" in proc.stdout
+    for name in ("train.bin", "val.bin", "test.bin", "tokenizer.json", "meta.json"):
+        assert (out / name).read_bytes() == (corpora["bytes"] / name).read_bytes(), name
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'none'} is neither a file nor a folder$"):
+        prepare([str(tmp_path / "none")], str(out))  # the script prints it as one line, exit 2

@@ -6,7 +6,8 @@ model_ema.pt, the EMA of the weights; best: model_best.pt; or a path), predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
 predictions.csv and metrics.json into this job's own run dir: the same files for any N.
 
-A text run (data=pydoc_text: a vocab.json in its run dir) is sampled from instead: `prompt=`,
+A text run (data=pydoc_text: a vocab.json in its run dir; data=tokens: meta.json and tokenizer.json)
+is sampled from instead: `prompt=`,
 `max_new_tokens=`, `temperature=` (0: greedy), `top_k=`, `seed=`, `num_samples=`; rank 0 writes
 samples.txt, the same for any N (trainkit/sampling.py). The corpus is not needed.
 """
@@ -30,6 +31,7 @@ from trainkit.precision import autocast_for
 from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
 from trainkit.tasks import LanguageModel
 from trainkit.text import VOCAB_FILE, Vocabulary
+from trainkit.tokens import META_FILE, Codec, is_tokens_run
 
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
@@ -106,7 +108,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
 SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)
 
 
-def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.Dist, out_dir: Path) -> None:
+def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, d: dist.Dist, out_dir: Path) -> None:
     """Text samples from a text run's model: samples.txt and stdout (rank 0)."""
     run_dir = Path(cfg.run_dir)
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
@@ -115,7 +117,7 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary, d: dist.
     load_weights(model, weights)
     d.print0(
         f"sample | run dir {run_dir} ({weights.name}) | {cfg.num_samples} sample(s) of "
-        f"{cfg.max_new_tokens} characters, temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | "
+        f"{cfg.max_new_tokens} tokens, temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | "
         f"{d.world_size} rank(s) on {d.device} | writing to {out_dir}"
     )
     texts = sampling.samples(
@@ -138,11 +140,13 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     """Load the run's config and check the settings (before the process group: fail fast, on every
     rank alike), join the process group, predict (or sample, from a text run) into `out_dir`."""
     run_cfg = load_run_config(cfg, "predict", heldout.SPLITS)
-    vocab = Vocabulary.load(Path(cfg.run_dir))  # a text run's vocabulary, else None
+    vocab = Vocabulary.load(Path(cfg.run_dir)) or Codec.load(Path(cfg.run_dir))  # a text run's, else None
     if vocab is not None:
         sampling.check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)
     elif text.is_text_run(run_cfg):  # else it would be taken for an addition run and fail at the end
         raise ConfigError(f"run_dir={cfg.run_dir} is a text run (data={run_cfg.data.name}) without its {VOCAB_FILE}")
+    elif is_tokens_run(run_cfg):
+        raise ConfigError(f"run_dir={cfg.run_dir} is a tokens run without its {META_FILE}")
     else:  # a setting that would be silently ignored
         defaults = cast(DictConfig, OmegaConf.load(DEFAULTS))
         if given := [f"{key}={cfg[key]}" for key in SAMPLING_KEYS if cfg[key] != defaults[key]]:

@@ -61,6 +61,20 @@ def cifar_root(tmp_path_factory) -> Path:
     return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
 
 
+@pytest.fixture(autouse=True)
+def tokens_data(request, tmp_path_factory, monkeypatch):
+    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there."""
+    if "cpython_code_gpt" not in request.node.name:
+        return
+    from test_tokens import write_sources
+
+    from trainkit.corpus import prepare
+
+    base = tmp_path_factory.mktemp("tokens_data")
+    prepare([str(write_sources(base / "src"))], str(base / "cpython_bpe"), "bpe", 300, 1 / 6, progress=False)
+    monkeypatch.setenv("TRAINKIT_DATA", str(base))
+
+
 def small(data: str, cifar_root: Path) -> list[str]:
     """Overrides that make an experiment a 2-step run of seconds: less data, smaller batches."""
     common = ["trainer.max_steps=2", "trainer.eval_every=2", "checkpoint.every=0"]

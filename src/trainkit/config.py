@@ -26,7 +26,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, launch, schema, stop, text
+from trainkit import dist, launch, schema, stop, text, tokens
 from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
@@ -136,6 +136,14 @@ def pydoc_vocab_size() -> int:
 
 
 OmegaConf.register_new_resolver("pydoc_vocab_size", pydoc_vocab_size, replace=True)
+
+
+def tokens_vocab_size(root) -> int:
+    """${tokens_vocab_size:${data.root}} (data=tokens): the vocabulary size in the corpus's meta.json."""
+    return tokens.vocab_size(root)
+
+
+OmegaConf.register_new_resolver("tokens_vocab_size", tokens_vocab_size, replace=True)
 
 
 def config_groups() -> str:

@@ -1,4 +1,5 @@
-"""Sampling text from a trained character model (predict.py on a text run: prompt=, temperature=, ...).
+"""Sampling text from a trained character or token model (predict.py on a text run: prompt=, temperature=,
+...; data=tokens: through its tokenizer, trainkit/tokens.py).
 
 Each sample draws from its own generator, seeded from (seed, sample index): what sample i is does
 not depend on how many ranks share the work or which one draws it. A sample is generated alone (a
@@ -15,9 +16,10 @@ from trainkit.errors import ConfigError
 from trainkit.inference import gather
 from trainkit.rng import generation_seed
 from trainkit.text import Vocabulary
+from trainkit.tokens import Codec
 
 
-def check(prompt, max_new_tokens, temperature, top_k, num_samples, vocab: Vocabulary) -> None:
+def check(prompt, max_new_tokens, temperature, top_k, num_samples, vocab: Vocabulary | Codec) -> None:
     """One ConfigError naming the first bad setting."""
     if not isinstance(prompt, str) or not prompt:
         quote = f" (Hydra reads {prompt} as a number: quote it, \"prompt='{prompt}'\")" if prompt is not None else ""
@@ -40,7 +42,7 @@ def sample(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
-    vocab: Vocabulary,
+    vocab: Vocabulary | Codec,
     generator: torch.Generator,
     device: torch.device,
     autocast=contextlib.nullcontext,
@@ -61,14 +63,14 @@ def sample(
             # In float64, from the largest logit (0 stays 0): a tiny temperature makes the distribution
             # one-hot instead of inf / inf = NaN (temperature=1e-45 failed in torch.multinomial).
             logits = (logits.double() - logits.max()) / temperature
-            if top_k is not None and top_k < len(vocab.chars):
+            if top_k is not None and top_k < vocab.pad:
                 logits[logits < torch.topk(logits, top_k).values[-1]] = -torch.inf
             following = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
         tokens = torch.cat([tokens, following[None]], dim=1)
     return tokens[0, len(prompt) :].tolist()
 
 
-def samples(model, prompt: str, cfg, vocab: Vocabulary, d: Dist, autocast=contextlib.nullcontext) -> list[str]:
+def samples(model, prompt: str, cfg, vocab: Vocabulary | Codec, d: Dist, autocast=contextlib.nullcontext) -> list[str]:
     """cfg.num_samples texts (prompt + continuation), in sample order, on every rank: each rank draws
     a contiguous share, each sample with its own generator from (cfg.seed, sample index)."""
     start, end = shard_bounds(cfg.num_samples, d.world_size, d.rank)

@@ -348,6 +348,24 @@ class PydocText(Data):
     per_character: bool = True  # task=lm: val/acc per character, and val/bpc
 
 
+@dataclass
+class TokensSplits:
+    _target_: str = MISSING
+    root: str = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = MISSING
+
+
+@dataclass
+class Tokens(Data):
+    splits: TokensSplits = field(default_factory=TokensSplits)
+    root: str = MISSING  # scripts/prepare_text.py's --out (trainkit/tokens.py)
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = True
+    per_character: bool = True  # task=lm: val/acc per token
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
@@ -363,6 +381,7 @@ def register() -> None:
             "torchvision": Torchvision,
             "addition": Addition,
             "pydoc_text": PydocText,
+            "tokens": Tokens,
         },
     }
     for group, nodes in options.items():

@@ -1,0 +1,138 @@
+"""Preparing a tokenized corpus for data=tokens (scripts/prepare_text.py): text files in, train/val/test
+.bin files of token ids, tokenizer.json and meta.json out (the format trainkit/tokens.py reads).
+
+The split is by document and fixed: a permutation seeded by --seed of the sorted file list, val its
+first --val-fraction of the documents, test the next --test-fraction, train the rest (each split then
+in sorted order). The BPE is trained on the train documents only (no held-out text shapes the
+vocabulary). Each document is followed by the end-of-text token. Tokens are written as they are
+encoded, a file at a time: memory holds one document, not the corpus.
+"""
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trainkit.errors import ConfigError
+from trainkit.tokens import BYTES_EOT, EOT_TEXT, META_FILE, SPLITS, TOKENIZER_FILE, Codec, sha256_file
+
+
+def find_files(inputs: list[str], patterns: list[str], exclude: list[str]) -> list[Path]:
+    """The sorted text files named or under the folders named (recursively, matching `patterns`),
+    without those whose path relative to their folder has a part in `exclude`."""
+    found: set[Path] = set()
+    for given in map(Path, inputs):
+        if given.is_file():
+            found.add(given)
+        elif given.is_dir():
+            for pattern in patterns:
+                for path in given.rglob(pattern):
+                    if path.is_file() and not set(path.relative_to(given).parts[:-1]) & set(exclude):
+                        found.add(path)
+        else:
+            raise ConfigError(f"{given} is neither a file nor a folder")
+    if not found:
+        raise ConfigError(f"no files matching {' '.join(patterns)} in {' '.join(inputs)}")
+    return sorted(found)
+
+
+def split_files(files: list[Path], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[Path]]:
+    for key, value in (("--val-fraction", val_fraction), ("--test-fraction", test_fraction)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be >= 0 and < 1")
+    order = np.random.RandomState(seed).permutation(len(files))
+    n_val, n_test = round(len(files) * val_fraction), round(len(files) * test_fraction)
+    if n_val + n_test >= len(files):
+        raise ConfigError(f"{len(files)} files: --val-fraction and --test-fraction leave none to train on")
+    picked = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
+    return {split: [files[i] for i in sorted(picked[split])] for split in SPLITS}
+
+
+def read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def train_bpe(files: list[Path], vocab_size: int) -> str:
+    """A byte-level BPE (ByteLevel pre-tokenizer and decoder, end-of-text id 0) trained on `files`: its JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((read(path) for path in files), trainer=trainer)
+    return tokenizer.to_str()
+
+
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str = "bytes",
+    vocab_size: int = 4096,
+    val_fraction: float = 0.1,
+    test_fraction: float | None = None,
+    seed: int = 0,
+    patterns: tuple[str, ...] = ("*.py", "*.txt"),
+    exclude: tuple[str, ...] = (),
+    progress: bool = True,
+) -> dict:
+    """Write the corpus into `out`; returns its meta (with the seconds and MB/s it took)."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    files = find_files(inputs, list(patterns), list(exclude))
+    split = split_files(files, val_fraction, val_fraction if test_fraction is None else test_fraction, seed)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer == "bpe":
+        tokenizer_text = train_bpe(split["train"], vocab_size)
+    elif tokenizer == "bytes":
+        tokenizer_text = json.dumps({"kind": "bytes", "vocab_size": BYTES_EOT + 1, "eot": BYTES_EOT}) + "\n"
+    else:
+        raise ConfigError(f"--tokenizer={tokenizer} must be bytes or bpe")
+    (folder / TOKENIZER_FILE).write_text(tokenizer_text)
+    codec = Codec(tokenizer, tokenizer_text if tokenizer == "bpe" else None)
+    dtype = np.uint16 if codec.size <= 65536 else np.uint32
+    sources = hashlib.sha256()  # names relative to the files' common folder: the same corpus wherever it lies
+    common = Path(os.path.commonpath([path.parent for path in files]))
+    tokens, size = {}, 0
+    with tqdm(total=len(files), unit="file", disable=not progress) as bar:
+        for name in SPLITS:
+            count = 0
+            with open(folder / f"{name}.bin", "wb") as f:
+                for path in split[name]:
+                    raw = path.read_bytes()
+                    size += len(raw)
+                    sources.update(f"{path.relative_to(common)}\0".encode() + raw + b"\0")
+                    ids = np.array(codec.encode(raw.decode("utf-8", errors="replace")) + [codec.eot], dtype=dtype)
+                    f.write(ids.tobytes())
+                    count += len(ids)
+                    bar.update(1)
+            tokens[name] = count
+    seconds = time.perf_counter() - started
+    meta = {
+        "vocab_size": codec.size,
+        "dtype": np.dtype(dtype).name,
+        "tokenizer": tokenizer,
+        "tokenizer_file": TOKENIZER_FILE,
+        "eot": codec.eot,
+        "documents": {name: len(split[name]) for name in SPLITS},
+        "tokens": tokens,
+        "sha256": {
+            "tokenizer": sha256_file(folder / TOKENIZER_FILE),
+            "sources": sources.hexdigest(),
+            **{name: sha256_file(folder / f"{name}.bin") for name in SPLITS},
+        },
+        "source_bytes": size,
+        "split_seed": seed,
+    }
+    (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta | {"seconds": seconds, "mb_per_s": size / 1e6 / seconds}

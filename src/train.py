@@ -130,8 +130,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
 
+    model_name = cfg.model.get("name") or cfg.model._target_.split(".")[-1]  # model=timm: its model.name
     d.print0(
-        f"trainkit | {mode} x{d.world_size} on {d.device} | model={cfg.model._target_.split('.')[-1]} "
+        f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
         f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
         f"precision={precision}\n"
         f"global batch {layout.global_batch} = {d.world_size} ranks x {auto.batch_size} micro-batch "

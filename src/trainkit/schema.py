@@ -248,6 +248,7 @@ class LanguageModel:
     _target_: str = MISSING
     max_digits: int | None = None
     per_character: bool = False
+    per_token: bool = False
 
 
 @dataclass
@@ -363,7 +364,7 @@ class Tokens(Data):
     vocab_size: int = MISSING
     block_size: int = MISSING
     random_offsets: bool = True
-    per_character: bool = True  # task=lm: val/acc per token
+    per_token: bool = True  # task=lm: val/acc per token (no val/bpc: a BPE token is no character)
 
 
 def register() -> None:

@@ -56,13 +56,15 @@ class LanguageModel:
     to greedy decoding's exact match: greedy first goes wrong where argmax does). With
     `max_digits` (data=addition) it also reports val/acc_<a>x<b> per pair of operand lengths.
     `per_character` (a character corpus, data=pydoc_text): val/acc is the share of characters
-    whose argmax is right, and val/bpc the loss in bits per character (val/loss / ln 2)."""
+    whose argmax is right, and val/bpc the loss in bits per character (val/loss / ln 2). `per_token` (a
+    tokenized corpus, data=tokens): val/acc is the share of tokens whose argmax is right (no bpc: a BPE
+    token is no character)."""
 
     items_name = "tokens"
     monitor = ("val/loss", "min")  # checkpoint.monitor=auto: exact match is 0 for long, the loss moves from the start
 
-    def __init__(self, max_digits: int | None = None, per_character: bool = False):
-        self.max_digits, self.per_character = max_digits, per_character
+    def __init__(self, max_digits: int | None = None, per_character: bool = False, per_token: bool = False):
+        self.max_digits, self.per_character, self.per_token = max_digits, per_character, per_token
         self.eval_width = 5 + 2 * len(self._pairs())
         self.metric_names = ("loss", "acc", *(["bpc"] * per_character), *(f"acc_{a}x{b}" for a, b in self._pairs()))
 
@@ -91,8 +93,10 @@ class LanguageModel:
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, tokens, correct, answers, hits = sums[:5]
         metrics = {"loss": loss / tokens, "acc": correct / answers}
+        if self.per_character or self.per_token:
+            metrics["acc"] = hits / tokens
         if self.per_character:
-            metrics |= {"acc": hits / tokens, "bpc": loss / tokens / math.log(2)}
+            metrics["bpc"] = loss / tokens / math.log(2)
         for (a, b), (right, count) in zip(self._pairs(), zip(sums[5::2], sums[6::2], strict=True), strict=True):
             if count:
                 metrics[f"acc_{a}x{b}"] = right / count

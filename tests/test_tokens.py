@@ -256,3 +256,14 @@ def test_the_script_writes_the_same_corpus_and_says_its_throughput(corpora, tmp_
         assert (out / name).read_bytes() == (corpora["bytes"] / name).read_bytes(), name
     with pytest.raises(ConfigError, match=f"^{tmp_path / 'none'} is neither a file nor a folder$"):
         prepare([str(tmp_path / "none")], str(out))  # the script prints it as one line, exit 2
+
+
+def test_a_token_corpus_reports_accuracy_per_token_and_no_bits_per_character():
+    from hydra.utils import instantiate
+
+    from helpers import compose_cfg
+
+    task = instantiate(compose_cfg("data=tokens", "data.vocab_size=300").task)
+    # sums: loss 6.0 over 4 tokens, 1 of 2 sequences right, 3 of the 4 tokens right
+    assert task.eval_metrics([6.0, 4.0, 1.0, 2.0, 3.0]) == {"loss": 1.5, "acc": 0.75}
+    assert task.metric_names == ("loss", "acc")

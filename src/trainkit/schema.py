@@ -336,6 +336,26 @@ class PydocText(Data):
     per_character: bool = True  # task=lm: val/acc per character, and val/bpc
 
 
+@dataclass
+class ImageFolderSplits:
+    _target_: str = MISSING
+    root: str | None = None
+    image_size: int = MISSING
+    resize: int | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+
+@dataclass
+class ImageFolder(Data):
+    splits: ImageFolderSplits = field(default_factory=ImageFolderSplits)
+    root: str | None = None  # holds train/<class>/*, val/<class>/* and optionally test/<class>/*
+    image_size: int = 224
+    resize: int | None = None  # the eval transform's shorter side; null: image_size x 8/7
+    mean: list[float] | None = None  # null: computed from the train images
+    std: list[float] | None = None
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
@@ -351,6 +371,7 @@ def register() -> None:
             "torchvision": Torchvision,
             "addition": Addition,
             "pydoc_text": PydocText,
+            "image_folder": ImageFolder,
         },
     }
     for group, nodes in options.items():

@@ -2,7 +2,11 @@
 classes in the config, and one-line refusals of a folder that cannot be used."""
 
 import hashlib
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import max_diff, rows, run_in_process, run_train, weights
+from helpers import ROOT, max_diff, rows, run_in_process, run_train, weights
 from trainkit import imagefolder
 from trainkit.data import SeededBatches, TrainBatches, TrainLoader
 from trainkit.errors import ConfigError
@@ -209,3 +213,17 @@ def test_resnet18_fits_the_folder_with_no_other_keys(folder, tmp_path):
     )
     state = weights(tmp_path)
     assert state["fc.weight"].shape == (3, 512) and state["conv1.weight"].shape[1] == 3
+
+
+@pytest.mark.slow
+def test_bench_data_images_times_three_loaders_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "scripts/bench_data.py", "--images", "--quick", "--workers", "0", "--out", str(out)]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["images"] == 128 and row["workers"] == 0
+    assert all(row[k] > 0 for k in ("plain", "trainkit", "unseeded"))
+    assert "| images | 0 |" in proc.stdout

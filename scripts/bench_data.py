@@ -5,15 +5,16 @@
 
 --images: a generated folder of JPEGs (64x64 random pixels, 10 classes, in a temporary dir removed at
 the end) read by data=image_folder's torchvision ImageFolder at image_size 56 (RandomResizedCrop +
-flip + ToTensor + Normalize). Three loaders, each built once (persistent workers) and warmed by one
+flip + ToTensor + Normalize). Four loaders, each built once (persistent workers) and warmed by one
 epoch: `plain` (DataLoader, shuffle, batch 64), `trainkit` (TrainLoader: DistributedSampler's shard,
-per-sample seeding of the RNGs) and `unseeded` (TrainLoader over the same set marked draws_random=False:
-what trainkit costs without the per-sample seeds). A round times one epoch of each, in an order that
-rotates between rounds; the figures are the medians over rounds (images/s, wall clock), and the ratios
-the medians of the per-round ratios. `seeding cost` = 1 - trainkit / unseeded. On a shared machine
-these wall-clock figures swing by several per cent from round to round, so the script also reports the
-per-sample seeding's own CPU time against a sample's loading (in this process, process_time): the
-figure that holds under load.
+torch's generator seeded per sample, as image_folder's train split asks with draws_random="torch"),
+`unseeded` (the same set marked draws_random=False: trainkit without the per-sample seeds) and
+`every_rng` (marked True: python's, numpy's and torch's generators seeded, as for a data set that does
+not say what it draws). A round times one epoch of each, in an order that rotates between rounds; the
+figures are the medians over rounds (images/s, wall clock), the ratios the medians of the per-round
+ratios; `seeding cost` = 1 - trainkit / unseeded. On a shared machine these wall-clock figures swing by
+several per cent from round to round, so the script also reports the CPU time a sample costs in this
+process with each seeding: the figure that holds under load.
 
 Each section is a function `bench_<name>(args) -> rows` and a flag; rows print as one side-by-side
 table (a later `--tokens` section adds its own function and flag).
@@ -73,20 +74,27 @@ def time_loaders(loaders: dict, count: int, rounds: int) -> dict[str, list[float
     return rates
 
 
-def per_sample_costs(dataset, rounds: int) -> tuple[float, float]:
-    """(us to load one sample, us to seed the RNGs for one) in this process, by CPU time: medians over
-    rounds of a pass over the set each, robust where other jobs share the cores."""
-    n, load, seed = length(dataset), [], []
-    for _ in range(max(rounds, 1)):
-        start = time.process_time()
-        for i in range(n):
-            dataset[i]
-        load.append((time.process_time() - start) / n * 1e6)
-        start = time.process_time()
-        for i in range(n):
-            seed_all(sample_seed(0, 1, i), cuda=False)
-        seed.append((time.process_time() - start) / n * 1e6)
-    return statistics.median(load), statistics.median(seed)
+def per_sample_costs(dataset, rounds: int) -> dict[str, float]:
+    """CPU time (us, this process) to load one sample after seeding nothing, torch's generator alone
+    (draws_random="torch") or every generator (rng.seed_all), as SeededBatches does: medians over rounds
+    of a pass over the set each in a rotating order, robust where other jobs share the cores. (Seeding
+    alone in a tight loop costs less than this: between two image decodes it also refills the caches.)"""
+    seeders = {
+        "none": lambda seed: None,
+        "torch": torch.default_generator.manual_seed,
+        "every_rng": lambda seed: seed_all(seed, cuda=False),
+    }
+    n, times = length(dataset), {name: [] for name in seeders}
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    names = list(seeders)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            seeder, start = seeders[name], time.process_time()
+            for i in order:
+                seeder(sample_seed(0, r, i))
+                dataset[i]
+            times[name].append((time.process_time() - start) / n * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_images(args) -> list[dict]:
@@ -95,8 +103,9 @@ def bench_images(args) -> list[dict]:
         root = Path(tmp)
         write_jpegs(root, args.num_images)
         train, *_ = imagefolder.splits(str(root), 56, mean=[0.5] * 3, std=[0.25] * 3)
-        unseeded = copy.copy(train)
+        unseeded, every_rng = copy.copy(train), copy.copy(train)
         unseeded.draws_random = False  # the same transforms; SeededBatches then seeds nothing
+        every_rng.draws_random = True  # SeededBatches seeds python's, numpy's and torch's generators
         d = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
         b = args.batch_size
         for workers in args.workers:
@@ -117,11 +126,13 @@ def bench_images(args) -> list[dict]:
                 "plain": lambda epoch, plain=plain: plain,
                 "trainkit": trainkit_loader(train),
                 "unseeded": trainkit_loader(unseeded),
+                "every_rng": trainkit_loader(every_rng),
             }
             rates = time_loaders(loaders, len(train), args.rounds)
-            load_us, seed_us = per_sample_costs(train, 1 if args.quick else 3) if workers == 0 else (None, None)
+            costs = per_sample_costs(train, 1 if args.quick else args.rounds) if workers == 0 else None
             ratio = [t / p for t, p in zip(rates["trainkit"], rates["plain"], strict=True)]
             cost = [1 - t / u for t, u in zip(rates["trainkit"], rates["unseeded"], strict=True)]
+            cost_all = [1 - t / u for t, u in zip(rates["every_rng"], rates["unseeded"], strict=True)]
             rows.append(
                 {
                     "section": "images",
@@ -129,12 +140,13 @@ def bench_images(args) -> list[dict]:
                     "plain": statistics.median(rates["plain"]),
                     "trainkit": statistics.median(rates["trainkit"]),
                     "unseeded": statistics.median(rates["unseeded"]),
+                    "every_rng": statistics.median(rates["every_rng"]),
+                    "every_rng_cost": statistics.median(cost_all),
                     "ratio": statistics.median(ratio),
                     "ratio_quartiles": statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3,
                     "seeding_cost": statistics.median(cost),
                     "seeding_cost_quartiles": statistics.quantiles(cost, n=4) if len(cost) > 1 else cost * 3,
-                    "load_us": load_us,  # CPU time to load and augment one sample (0 workers' row)
-                    "seed_us": seed_us,  # CPU time of the per-sample seeding (rng.seed_all) of one
+                    "cpu_us": costs,  # CPU time to load and augment one sample, per seeding (0 workers' row)
                     "images": len(train),
                     "rounds": args.rounds,
                 }
@@ -148,21 +160,23 @@ SECTIONS = {"images": bench_images}
 def table(rows: list[dict]) -> str:
     lines = [
         "| data | workers | plain DataLoader (img/s) | trainkit (img/s) | trainkit unseeded (img/s) "
-        "| trainkit / plain (quartiles) | seeding cost (quartiles) |",
-        "|---|---|---|---|---|---|---|",
+        "| trainkit / plain (quartiles) | seeding cost (quartiles) | seeding every RNG: cost |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rq, cq = r["ratio_quartiles"], r["seeding_cost_quartiles"]
         lines.append(
             f"| {r['section']} | {r['workers']} | {r['plain']:.0f} | {r['trainkit']:.0f} | {r['unseeded']:.0f} "
             f"| {r['ratio']:.3f} ({rq[0]:.3f}-{rq[2]:.3f}) "
-            f"| {100 * r['seeding_cost']:+.1f} % ({100 * cq[0]:+.1f}-{100 * cq[2]:+.1f}) |"
+            f"| {100 * r['seeding_cost']:+.1f} % ({100 * cq[0]:+.1f}-{100 * cq[2]:+.1f}) "
+            f"| {100 * r['every_rng_cost']:+.1f} % |"
         )
     for r in rows:
-        if r.get("seed_us") is not None:
+        if (c := r.get("cpu_us")) is not None:
             lines.append(
-                f"\n{r['section']}: the per-sample seeding alone costs {r['seed_us']:.1f} us (CPU time) against "
-                f"{r['load_us']:.0f} us to load and augment a sample: {100 * r['seed_us'] / r['load_us']:.1f} %"
+                f"\n{r['section']}, CPU time a sample (this process): {c['none']:.0f} us unseeded, "
+                f"{c['torch']:.0f} us seeding torch's generator ({100 * (c['torch'] / c['none'] - 1):+.1f} %), "
+                f"{c['every_rng']:.0f} us seeding every generator ({100 * (c['every_rng'] / c['none'] - 1):+.1f} %)"
             )
     return "\n".join(lines)
 

@@ -129,7 +129,7 @@ def test_classes_come_from_train_and_index_alike_in_every_split(folder, tmp_path
     for split in splits:
         assert split.classes == list(CLASSES) and split.class_to_idx == splits[0].class_to_idx
         assert all(CLASSES[target] == Path(path).parent.name for path, target in split.samples)
-    assert splits[0].draws_random and not splits[1].draws_random and not splits[2].draws_random
+    assert splits[0].draws_random == "torch" and not splits[1].draws_random and not splits[2].draws_random
     assert "computed" not in splits[0].summary
     assert splits[1][0][0].shape == (3, 16, 16)
     # No test/: no test split, said in the summary.
@@ -216,7 +216,7 @@ def test_resnet18_fits_the_folder_with_no_other_keys(folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_data_images_times_three_loaders_side_by_side(tmp_path):
+def test_bench_data_images_times_the_loaders_side_by_side(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "scripts/bench_data.py", "--images", "--quick", "--workers", "0", "--out", str(out)]
     proc = subprocess.run(

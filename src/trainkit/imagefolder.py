@@ -164,7 +164,9 @@ def splits(
         if folder.files[split] is not None
     ]
     for split, dataset in zip(SPLIT_DIRS, made, strict=False):
-        dataset.draws_random = split == "train"  # the eval transform draws nothing: no per-sample seeding to pay
+        # train: RandomResizedCrop and RandomHorizontalFlip draw from torch's generator alone, so SeededBatches
+        # seeds only that one per sample; the eval transform draws nothing: no per-sample seeding to pay.
+        dataset.draws_random = "torch" if split == "train" else False
         assert dataset.classes == folder.classes, (split, dataset.classes)  # scan checked the names
     train = made[0]
     train.identity = {"data.folder": {"sha256": folder.digest(), "source": str(folder.root)}}

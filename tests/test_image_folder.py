@@ -132,6 +132,8 @@ def test_classes_come_from_train_and_index_alike_in_every_split(folder, tmp_path
     assert splits[0].draws_random == "torch" and not splits[1].draws_random and not splits[2].draws_random
     assert "computed" not in splits[0].summary
     assert splits[1][0][0].shape == (3, 16, 16)
+    with pytest.raises(ConfigError, match=r"data.mean=\[0.5\] and data.std=\[0.25, 0.25, 0.25\] must have 3 values"):
+        imagefolder.splits(str(folder), 16, mean=[0.5], std=[0.25] * 3)
     # No test/: no test split, said in the summary.
     two = make_folder(tmp_path / "two", {"train": 2, "val": 1})
     assert len(imagefolder.splits(str(two), 16)) == 2

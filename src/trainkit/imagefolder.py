@@ -146,12 +146,11 @@ def splits(
         raise ConfigError(f"data.image_size={image_size} must be a positive integer")
     folder = scan(root)
     computed = mean is None or std is None
-    if computed:
-        stats = statistics(folder, image_size, resize)
-        mean, std = mean or stats[0], std or stats[1]
+    stats = statistics(folder, image_size, resize) if computed else ([], [])
+    mean, std = list(mean if mean is not None else stats[0]), list(std if std is not None else stats[1])
     if len(mean) != 3 or len(std) != 3:
-        raise ConfigError(f"data.mean={list(mean)} and data.std={list(std)} must have 3 values (RGB)")
-    normalize = [transforms.ToTensor(), transforms.Normalize(list(mean), list(std))]
+        raise ConfigError(f"data.mean={mean} and data.std={std} must have 3 values (RGB)")
+    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
     augment = transforms.Compose(
         [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(), *normalize]
     )
@@ -174,7 +173,7 @@ def splits(
     train.summary = (
         f"data: image folder {folder.root}: {len(folder.classes)} classes, {sizes}"
         + ("" if len(made) == 3 else " (no test/ dir: no test split)")
-        + f"; normalised with mean {list(mean)} std {list(std)}"
+        + f"; normalised with mean {mean} std {std}"
         + (f" (computed from {min(len(train), STATS_IMAGES)} train images)" if computed else "")
     )
     return tuple(made)

@@ -229,3 +229,19 @@ def test_bench_data_images_times_the_loaders_side_by_side(tmp_path):
     assert row["images"] == 128 and row["workers"] == 0
     assert all(row[k] > 0 for k in ("plain", "trainkit", "unseeded"))
     assert "| images | 0 |" in proc.stdout
+
+
+def test_a_resume_on_a_changed_folder_is_refused_naming_it(folder, tmp_path, capsys):
+    changed = shutil.copytree(folder, tmp_path / "images")
+    args = [a if not a.startswith("data.root=") else f"data.root={changed}" for a in run_args(folder)]
+    run_in_process(tmp_path / "run", *args, "trainer.max_steps=4")
+    Image.new("RGB", (20, 20)).save(changed / "train" / "ant" / "0.png")  # another image, as many as before
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_status:
+        run_in_process(tmp_path / "run", *args)  # checkpoint.resume=auto: the step-4 checkpoint
+    assert exit_status.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line.startswith("error: checkpoint.resume: the checkpoint was written with data.folder=")
+        and str(changed) in line
+    )

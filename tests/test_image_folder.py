@@ -100,8 +100,9 @@ def test_augmented_images_are_a_function_of_seed_epoch_and_sample_alone(folder):
         assert [hashlib.sha256(x.numpy().tobytes()).hexdigest() for x in images] == [one[epoch, i] for i in indices]
 
 
-def test_two_ranks_k2_equal_one_process_k4_at_the_same_global_batch(folder, single, tmp_path):
-    run_in_process(tmp_path, *run_args(folder), "parallel=ddp", nproc=2)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_k2_equal_one_process_k4_at_the_same_global_batch(folder, single, tmp_path, mode):
+    run_in_process(tmp_path, *run_args(folder), f"parallel={mode}", nproc=2)
     a, b = rows(single), rows(tmp_path)
     assert [r["samples"] for r in a] == [r["samples"] for r in b] == [24, 48, 72]
     for x, y in zip(a, b, strict=True):

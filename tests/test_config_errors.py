@@ -28,7 +28,10 @@ CATALOGUE = [
     (["seed=abc"], "seed=abc must be an integer"),
     # Unknown options and keys.
     (["model=nope"], "model=nope is not one of: cnn, gpt, mlp, resnet18"),
-    (["data=nope"], "data=nope is not one of: addition, cifar10, digits, fake, mnist, pydoc_text"),
+    (
+        ["data=nope"],
+        "data=nope is not one of: addition, cifar10, digits, fake, image_folder, mnist, pydoc_text, tokens",
+    ),
     (["model.widht=3"], "model.widht is not a setting of model; its settings: _target_, in_shape, num_classes, width"),
     (["+model.extra=3"], "trainkit.models.mlp: mlp() got an unexpected keyword argument 'extra'"),
     # Ranges and choices (config.check), also of values that reach _target_ constructors.

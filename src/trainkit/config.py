@@ -26,7 +26,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, launch, schema, stop, text, tokens
+from trainkit import dist, imagefolder, launch, schema, stop, text, tokens
 from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
@@ -136,6 +136,9 @@ def pydoc_vocab_size() -> int:
 
 
 OmegaConf.register_new_resolver("pydoc_vocab_size", pydoc_vocab_size, replace=True)
+# data=image_folder: ${image_folder_classes:${data.root}}, which checks the folder too; use_cache: a
+# config scans it once however often data.num_classes is read.
+OmegaConf.register_new_resolver("image_folder_classes", imagefolder.num_classes, replace=True, use_cache=True)
 
 
 def tokens_vocab_size(root) -> int:

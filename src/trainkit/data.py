@@ -20,8 +20,9 @@ from trainkit.rng import sample_seed, seed_all
 
 def draws_random(dataset: Dataset) -> bool:
     """Whether loading a sample of `dataset` may draw from python's, numpy's or torch's global RNG
-    (a random augmentation): its `draws_random` attribute, and True for a data set without one (a
-    user's data set may draw). SeededBatches seeds the generators before each sample only where it may."""
+    (a random augmentation): its `draws_random` attribute ("torch": from torch's generator alone), and True
+    for a data set without one (a user's data set may draw). SeededBatches seeds the generators before each
+    sample only where it may."""
     return bool(getattr(dataset, "draws_random", True))
 
 
@@ -236,6 +237,10 @@ class SeededBatches(Dataset):
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed, self.draws = dataset, seed, draws_random(dataset)
+        # draws_random = "torch": a data set whose draws come from torch's generator alone (torchvision's
+        # transforms) has only that one seeded: re-seeding numpy's and python's cost ~25 us a sample
+        # more, 6 % of loading a 64x64 JPEG (scripts/bench_data.py --images).
+        self.torch_only = getattr(dataset, "draws_random", True) == "torch"
 
     def __len__(self) -> int:
         return length(self.dataset)
@@ -251,7 +256,10 @@ class SeededBatches(Dataset):
         samples = []
         for i in indices:
             # On the CPU: CUDA's streams (dropout on a GPU) go on untouched.
-            seed_all(sample_seed(self.seed, epoch, i), cuda=False)
+            if self.torch_only:
+                torch.default_generator.manual_seed(sample_seed(self.seed, epoch, i))
+            else:
+                seed_all(sample_seed(self.seed, epoch, i), cuda=False)
             samples.append(self.dataset[i])
         return samples
 

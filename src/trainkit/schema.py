@@ -367,6 +367,26 @@ class Tokens(Data):
     per_token: bool = True  # task=lm: val/acc per token (no val/bpc: a BPE token is no character)
 
 
+@dataclass
+class ImageFolderSplits:
+    _target_: str = MISSING
+    root: str | None = None
+    image_size: int = MISSING
+    resize: int | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+
+@dataclass
+class ImageFolder(Data):
+    splits: ImageFolderSplits = field(default_factory=ImageFolderSplits)
+    root: str | None = None  # holds train/<class>/*, val/<class>/* and optionally test/<class>/*
+    image_size: int = 224
+    resize: int | None = None  # the eval transform's shorter side; null: image_size x 8/7
+    mean: list[float] | None = None  # null: computed from the train images
+    std: list[float] | None = None
+
+
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
@@ -383,6 +403,7 @@ def register() -> None:
             "addition": Addition,
             "pydoc_text": PydocText,
             "tokens": Tokens,
+            "image_folder": ImageFolder,
         },
     }
     for group, nodes in options.items():

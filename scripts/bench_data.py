@@ -1,6 +1,6 @@
 """Loader throughput: trainkit's train loader against a plain DataLoader over the same data set.
 
-    .venv/bin/python scripts/bench_data.py --images [--num-images 2000] [--rounds 7] [--workers 0 2]
+    .venv/bin/python scripts/bench_data.py --images --tokens [--num-images 2000] [--rounds 7] [--workers 0 2]
         [--quick] [--out result.json]
 
 --images: a generated folder of JPEGs (64x64 random pixels, 10 classes, in a temporary dir removed at
@@ -16,8 +16,11 @@ ratios; `seeding cost` = 1 - trainkit / unseeded. On a shared machine these wall
 several per cent from round to round, so the script also reports the CPU time a sample costs in this
 process with each seeding: the figure that holds under load.
 
-Each section is a function `bench_<name>(args) -> rows` and a flag; rows print as one side-by-side
-table (a later `--tokens` section adds its own function and flag).
+--tokens: data=tokens' training blocks (256 tokens at a random offset drawn from torch's generator,
+memory-mapped) of CPython's standard library without test/ (about 13 MB), prepared with the bytes
+tokenizer into a temporary dir; the same four loaders (samples/s x 256 = tokens/s).
+
+Each section is a function `bench_<name>(args) -> rows` and a flag; rows print as one side-by-side table.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import copy
 import json
 import statistics
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +40,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from trainkit import imagefolder  # noqa: E402
+from trainkit import corpus, imagefolder, tokens  # noqa: E402
 from trainkit.data import TrainLoader, length  # noqa: E402
 from trainkit.rng import sample_seed, seed_all  # noqa: E402
 
@@ -97,69 +101,89 @@ def per_sample_costs(dataset, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_images(args) -> list[dict]:
+def compare(section: str, train, args, per_sample: int = 1) -> list[dict]:
+    """The four loaders over `train` at each of args.workers, timed side by side (see the docstring);
+    per_sample: tokens a sample holds (the tokens section's rows report tokens/s too)."""
     rows = []
+    unseeded, every_rng = copy.copy(train), copy.copy(train)
+    unseeded.draws_random = False  # the same data; SeededBatches then seeds nothing
+    every_rng.draws_random = True  # SeededBatches seeds python's, numpy's and torch's generators
+    d = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    b = args.batch_size
+    for workers in args.workers:
+        plain = DataLoader(
+            train,
+            batch_size=b,
+            shuffle=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+        def trainkit_loader(dataset, workers=workers):
+            loader = TrainLoader(dataset, d, b, workers, seed=0, micro_batches=0)  # type: ignore[arg-type]
+            return loader.epoch
+
+        loaders = {
+            "plain": lambda epoch, plain=plain: plain,
+            "trainkit": trainkit_loader(train),
+            "unseeded": trainkit_loader(unseeded),
+            "every_rng": trainkit_loader(every_rng),
+        }
+        rates = time_loaders(loaders, len(train), args.rounds)
+        costs = per_sample_costs(train, 1 if args.quick else args.rounds) if workers == 0 else None
+        ratio = [t / p for t, p in zip(rates["trainkit"], rates["plain"], strict=True)]
+        cost = [1 - t / u for t, u in zip(rates["trainkit"], rates["unseeded"], strict=True)]
+        cost_all = [1 - t / u for t, u in zip(rates["every_rng"], rates["unseeded"], strict=True)]
+        rows.append(
+            {
+                "section": section,
+                "workers": workers,
+                "plain": statistics.median(rates["plain"]),
+                "trainkit": statistics.median(rates["trainkit"]),
+                "unseeded": statistics.median(rates["unseeded"]),
+                "every_rng": statistics.median(rates["every_rng"]),
+                "every_rng_cost": statistics.median(cost_all),
+                "ratio": statistics.median(ratio),
+                "ratio_quartiles": statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3,
+                "seeding_cost": statistics.median(cost),
+                "seeding_cost_quartiles": statistics.quantiles(cost, n=4) if len(cost) > 1 else cost * 3,
+                "cpu_us": costs,  # CPU time to load one sample, per seeding (0 workers' row)
+                "samples": len(train),
+                "tokens_per_sample": per_sample,
+                "rounds": args.rounds,
+            }
+        )
+    return rows
+
+
+def bench_images(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_jpegs(root, args.num_images)
         train, *_ = imagefolder.splits(str(root), 56, mean=[0.5] * 3, std=[0.25] * 3)
-        unseeded, every_rng = copy.copy(train), copy.copy(train)
-        unseeded.draws_random = False  # the same transforms; SeededBatches then seeds nothing
-        every_rng.draws_random = True  # SeededBatches seeds python's, numpy's and torch's generators
-        d = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
-        b = args.batch_size
-        for workers in args.workers:
-            plain = DataLoader(
-                train,
-                batch_size=b,
-                shuffle=True,
-                num_workers=workers,
-                persistent_workers=workers > 0,
-                generator=torch.Generator().manual_seed(0),
-            )
-
-            def trainkit_loader(dataset, workers=workers):
-                loader = TrainLoader(dataset, d, b, workers, seed=0, micro_batches=0)  # type: ignore[arg-type]
-                return loader.epoch
-
-            loaders = {
-                "plain": lambda epoch, plain=plain: plain,
-                "trainkit": trainkit_loader(train),
-                "unseeded": trainkit_loader(unseeded),
-                "every_rng": trainkit_loader(every_rng),
-            }
-            rates = time_loaders(loaders, len(train), args.rounds)
-            costs = per_sample_costs(train, 1 if args.quick else args.rounds) if workers == 0 else None
-            ratio = [t / p for t, p in zip(rates["trainkit"], rates["plain"], strict=True)]
-            cost = [1 - t / u for t, u in zip(rates["trainkit"], rates["unseeded"], strict=True)]
-            cost_all = [1 - t / u for t, u in zip(rates["every_rng"], rates["unseeded"], strict=True)]
-            rows.append(
-                {
-                    "section": "images",
-                    "workers": workers,
-                    "plain": statistics.median(rates["plain"]),
-                    "trainkit": statistics.median(rates["trainkit"]),
-                    "unseeded": statistics.median(rates["unseeded"]),
-                    "every_rng": statistics.median(rates["every_rng"]),
-                    "every_rng_cost": statistics.median(cost_all),
-                    "ratio": statistics.median(ratio),
-                    "ratio_quartiles": statistics.quantiles(ratio, n=4) if len(ratio) > 1 else ratio * 3,
-                    "seeding_cost": statistics.median(cost),
-                    "seeding_cost_quartiles": statistics.quantiles(cost, n=4) if len(cost) > 1 else cost * 3,
-                    "cpu_us": costs,  # CPU time to load and augment one sample, per seeding (0 workers' row)
-                    "images": len(train),
-                    "rounds": args.rounds,
-                }
-            )
-    return rows
+        return compare("images", train, args)
 
 
-SECTIONS = {"images": bench_images}
+def bench_tokens(args) -> list[dict]:
+    """data=tokens' training blocks (random offsets in a memory-mapped train.bin, block 256) of CPython's
+    standard library (without test/) prepared with the bytes tokenizer into a temporary dir."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus.prepare([str(stdlib)], tmp, "bytes", patterns=("*.py",), exclude=("test", "site-packages"))
+        train, *_ = tokens.splits(tmp, block_size=256)
+        if args.quick:
+            train = torch.utils.data.Subset(train, range(256))
+            train.draws_random = True  # type: ignore[attr-defined]
+        return compare("tokens", train, args, per_sample=256)
+
+
+SECTIONS = {"images": bench_images, "tokens": bench_tokens}
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| data | workers | plain DataLoader (img/s) | trainkit (img/s) | trainkit unseeded (img/s) "
+        "| data | workers | plain DataLoader (samples/s) | trainkit (samples/s) | trainkit unseeded (samples/s) "
         "| trainkit / plain (quartiles) | seeding cost (quartiles) | seeding every RNG: cost |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -184,6 +208,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", action="store_true", help="the image-folder section")
+    parser.add_argument("--tokens", action="store_true", help="the token-file section (CPython's stdlib, bytes)")
     parser.add_argument("--num-images", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])

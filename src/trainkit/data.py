@@ -241,6 +241,9 @@ class SeededBatches(Dataset):
         # transforms) has only that one seeded: re-seeding numpy's and python's cost ~25 us a sample
         # more, 6 % of loading a 64x64 JPEG (scripts/bench_data.py --images).
         self.torch_only = getattr(dataset, "draws_random", True) == "torch"
+        # draws_random = "seed": the data set draws from the sample's seed itself, `dataset.seeded(index, seed)`
+        # (data=tokens' block offsets): no generator is seeded, which cost 50 % of loading such a block.
+        self.from_seed = getattr(dataset, "draws_random", True) == "seed"
 
     def __len__(self) -> int:
         return length(self.dataset)
@@ -256,6 +259,9 @@ class SeededBatches(Dataset):
         samples = []
         for i in indices:
             # On the CPU: CUDA's streams (dropout on a GPU) go on untouched.
+            if self.from_seed:
+                samples.append(self.dataset.seeded(i, sample_seed(self.seed, epoch, i)))  # type: ignore[attr-defined]
+                continue
             if self.torch_only:
                 torch.default_generator.manual_seed(sample_seed(self.seed, epoch, i))
             else:

@@ -153,10 +153,11 @@ class _Split:
 
 
 class RandomBlocks(_Split, Dataset):
-    """(tokens - 1) // block_size blocks per epoch, each at a start drawn from torch's generator
-    (SeededBatches seeds it per (seed, epoch, sample index))."""
+    """(tokens - 1) // block_size blocks per epoch, each at a start drawn from the sample's seed, a function
+    of (seed, epoch, sample index) (trainkit.data.SeededBatches: draws_random = "seed"); outside the
+    train loader from torch's generator."""
 
-    draws_random = True
+    draws_random = "seed"
 
     def __init__(self, tokens: np.memmap, block_size: int):
         self.tokens, self.block_size = tokens, block_size
@@ -165,7 +166,12 @@ class RandomBlocks(_Split, Dataset):
         return (len(self.tokens) - 1) // self.block_size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = int(torch.randint(len(self.tokens) - self.block_size, ()))  # the last start leaves 1 target
+        return self._block(int(torch.randint(len(self.tokens) - self.block_size, ())))
+
+    def seeded(self, index: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._block(seed % (len(self.tokens) - self.block_size))  # a 63-bit mixed seed: uniform enough
+
+    def _block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:  # the last start leaves 1 target
         piece = _long(self.tokens[start : start + self.block_size + 1])
         return piece[:-1], piece[1:]
 

@@ -219,17 +219,19 @@ def test_resnet18_fits_the_folder_with_no_other_keys(folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_data_images_times_the_loaders_side_by_side(tmp_path):
+def test_bench_data_times_the_loaders_side_by_side_for_images_and_tokens(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "scripts/bench_data.py", "--images", "--quick", "--workers", "0", "--out", str(out)]
+    sections = ["--images", "--tokens", "--quick", "--workers", "0"]
+    cmd = [sys.executable, "scripts/bench_data.py", *sections, "--out", str(out)]
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert proc.returncode == 0, proc.stderr
-    (row,) = json.loads(out.read_text())
-    assert row["images"] == 128 and row["workers"] == 0
-    assert all(row[k] > 0 for k in ("plain", "trainkit", "unseeded"))
-    assert "| images | 0 |" in proc.stdout
+    images, tokens = json.loads(out.read_text())
+    assert (images["samples"], images["workers"], tokens["samples"], tokens["tokens_per_sample"]) == (128, 0, 256, 256)
+    for row in (images, tokens):
+        assert all(row[k] > 0 for k in ("plain", "trainkit", "unseeded"))
+    assert "| images | 0 |" in proc.stdout and "| tokens | 0 |" in proc.stdout
 
 
 def test_a_resume_on_a_changed_folder_is_refused_naming_it(folder, tmp_path, capsys):

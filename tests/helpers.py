@@ -465,7 +465,7 @@ class TokenMeanPerMicroBatch:
 
     items_name = None
 
-    def __init__(self, max_digits: int = 3, per_character: bool = False):  # task=lm's keys (its schema)
+    def __init__(self, max_digits: int = 3, per_character: bool = False, per_token: bool = False):  # task=lm's keys
         from trainkit.tasks import LanguageModel
 
         self.lm = LanguageModel(max_digits=max_digits)

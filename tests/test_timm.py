@@ -1,9 +1,8 @@
 """model=timm: timm's zoo by name. Its classes and channels come from the data, an unknown name is one
 line, parallel=fsdp shards per residual block with no extra keys, 2 DDP / FSDP ranks train as one
 process at the same global batch (SyncBN for the ResNet's BatchNorm), activation checkpointing is the
-same step bit for bit, and trainer.compile trains it like eager."""
-
-import os
+same step bit for bit. (trainer.compile on a timm ResNet trained as eager to 3.6e-7 when tried; test_compile.py
+tests compile itself: a timm copy of it cost the suite 32 s of inductor's cold start.)"""
 
 import pytest
 import torch
@@ -153,16 +152,3 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(name):
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)  # BatchNorm's running statistics too
     blocks = len(fsdp_units(model))
     assert recomputed == [blocks, 2 * blocks]  # each block once in forward, once more in backward
-
-
-@pytest.mark.slow
-def test_a_compiled_resnet_trains_as_eager(tmp_path, monkeypatch):
-    # A process of its own (test_compile.py: inductor's state would stay in this one), 2 steps at 16x16.
-    monkeypatch.setitem(os.environ, "TORCH_LOGS", "graph_code")  # dynamo prints each graph it compiles
-    quick = ["trainer.eval_every=100", "trainer.test=false"]  # training graphs only (eval mode compiles anew)
-    run_in_process(tmp_path / "eager", *RESNET, *STEPS, *ONE, *quick)
-    proc = run_train(tmp_path / "compiled", *RESNET, *STEPS, *ONE, *quick, "trainer.compile=true")
-    assert "TRACED GRAPH" in proc.stderr  # compiled, not silently eager
-    eager, compiled = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
-    print(f"max |compiled - eager| {max_diff(compiled, eager):.2e}")
-    assert_close(compiled, eager)  # inductor's fused kernels round otherwise: test_compile.py's 1e-5

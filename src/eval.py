@@ -24,6 +24,7 @@ from trainkit import config, dist, heldout, text
 from trainkit.errors import ConfigError
 from trainkit.evaluate import evaluate
 from trainkit.precision import autocast_for
+from trainkit.progress import headline
 from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
 from trainkit.text import Vocabulary
 
@@ -55,7 +56,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
         config.save(cfg, out_dir)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     d.print0(json.dumps(metrics))
-    d.print0(f"done: {heldout.line(metrics, cfg.split)}; wrote {out_dir / 'metrics.json'}")
+    d.print0(f"done: {heldout.line(metrics, cfg.split, headline(task))}; wrote {out_dir / 'metrics.json'}")
     dist.teardown(finished=True)  # before the interpreter exits, see teardown
     return metrics
 

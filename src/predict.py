@@ -55,6 +55,16 @@ def class_rows(out: dict, probs: bool) -> list[list]:
     return [header] + [[i, t, p, *(f"{v:.6g}" for v in q)] for i, (t, p, q) in enumerate(rows)]
 
 
+def task_results(task, out: dict) -> tuple[dict, list[list]]:
+    """index and the task's own columns (`task.predictions`) per sample, in dataset order, and the task's
+    metrics of the whole split (named <split>/<metric> by the caller) from the gathered outputs."""
+    columns = task.predictions(out["logits"], out["targets"])
+    values = zip(*(column.tolist() for column in columns.values()), strict=True)
+    rows = [["index", *columns]] + [[i, *(f"{v:.6g}" for v in row)] for i, row in enumerate(values)]
+    sums = task.eval_sums(None, out["logits"], out["targets"])  # the whole split at once: the same on any N
+    return task.eval_metrics(sums.tolist()) | {"samples": len(out["targets"])}, rows
+
+
 def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]]:
     """index,prompt,target,prediction,correct per problem (as people write them), and the exact
     match overall and per operand-length pair (data=addition)."""
@@ -75,7 +85,7 @@ def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]
     return metrics, rows
 
 
-def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> float:
+def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> float | None:
     run_dir = Path(cfg.run_dir)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
@@ -87,9 +97,12 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
         f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
     )
 
-    if isinstance(instantiate(run_cfg.task), LanguageModel):  # sequences: greedy decoding of answers
+    task = instantiate(run_cfg.task)
+    if isinstance(task, LanguageModel):  # sequences: greedy decoding of answers
         generated = generate(model.to(d.device), loader, d, END, IGNORE, autocast)  # gathered, every rank
         metrics, rows = sequence_results(dataset, generated)
+    elif hasattr(task, "predictions"):  # a task that says what its rows hold (e.g. task=regression)
+        metrics, rows = task_results(task, predict(model.to(d.device), loader, d, autocast))
     else:
         out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
         metrics, rows = metrics_of(out["logits"], out["targets"]), class_rows(out, cfg.predict.probs)
@@ -98,11 +111,12 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
         with open(out_dir / "predictions.csv", "w") as f:
             f.writelines(",".join(map(str, row)) + "\n" for row in rows)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    numbers = {key: value for key, value in metrics.items() if isinstance(value, float)}  # accuracy; loss, rmse, r2
     d.print0(
-        f"done: accuracy {metrics['accuracy']:.4f} on {metrics['samples']} {cfg.split} samples; "
-        f"wrote {out_dir / 'predictions.csv'} and metrics.json"
+        f"done: {', '.join(f'{key} {value:.4f}' for key, value in numbers.items())}"
+        f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json"
     )
-    return metrics["accuracy"]
+    return metrics.get("accuracy", metrics.get(getattr(task, "monitor", "/loss").split("/")[-1]))
 
 
 SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)

@@ -28,7 +28,7 @@ from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.profile import Profiler
-from trainkit.progress import Progress, done_line
+from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
 from trainkit.summary import describe
@@ -154,7 +154,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
     with (
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
-        Progress(d.is_main, total_steps, step) as console,
+        Progress(d.is_main, total_steps, step, headline(task)) as console,
         stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
         debug.anomaly(cfg.debug.anomaly, d),  # debug=anomaly: the backward function that returned NaN, named
         profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
@@ -278,9 +278,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")
             test_batches.check()
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
-            console.print(heldout.line(test))
-        console.print(done_line(step, val, selection, test, wrote))  # done: N steps, val acc, best, test acc; wrote
-    return selection.best if selection.monitor else val.get("val/acc")
+            console.print(heldout.line(test, shown=headline(task)))
+        console.print(done_line(step, val, selection, test, wrote, headline(task)))  # done: N steps, val, best, test
+    return selection.best if selection.monitor else val.get(getattr(task, "monitor", "val/loss"))
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

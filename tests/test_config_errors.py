@@ -141,7 +141,10 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, capsys, monkeypat
     "group,built_in",
     [
         ("model", {"cnn", "gpt", "mlp", "resnet18", "timm"}),
-        ("data", {"addition", "cifar10", "digits", "fake", "image_folder", "mnist", "pydoc_text", "tokens"}),
+        (
+            "data",
+            {"addition", "cifar10", "diabetes", "digits", "fake", "image_folder", "mnist", "pydoc_text", "tokens"},
+        ),
     ],
 )
 def test_an_unknown_option_lists_the_group_s_options(tmp_path, capsys, monkeypatch, group, built_in):

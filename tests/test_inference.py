@@ -126,7 +126,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
     assert metrics["samples"] == len(val)
     assert metrics["accuracy"] == sum(r[1] == r[2] for r in rows) / len(rows)
     for _, stdout in predicted.values():  # rank 0 alone reports
-        assert stdout.count("predict | run dir") == 1 and stdout.count("done: accuracy") == 1
+        assert stdout.count("predict | run dir") == 1 and stdout.count("done: loss ") == 1
 
 
 @pytest.mark.slow

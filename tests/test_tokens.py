@@ -266,4 +266,4 @@ def test_a_token_corpus_reports_accuracy_per_token_and_no_bits_per_character():
     task = instantiate(compose_cfg("data=tokens", "data.vocab_size=300").task)
     # sums: loss 6.0 over 4 tokens, 1 of 2 sequences right, 3 of the 4 tokens right
     assert task.eval_metrics([6.0, 4.0, 1.0, 2.0, 3.0]) == {"loss": 1.5, "acc": 0.75}
-    assert task.metric_names == ("loss", "acc")
+    assert task.metrics == {"loss": "min", "acc": "max"}

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainkit.errors import ConfigError
+from trainkit.progress import metrics_text
 
 SPLITS = ("train", "val", "test")  # the order of what data.splits returns
 
@@ -37,7 +38,6 @@ def size(test_set: Any | None) -> str:
     return "no test" if test_set is None else f"{len(test_set)} test"
 
 
-def line(metrics: dict[str, float], split: str = "test") -> str:
-    """`test loss ... | test acc ...` (and bits per character for text) of evaluate's metrics."""
-    text = f"{split} loss {metrics[f'{split}/loss']:.4f} | {split} acc {metrics[f'{split}/acc']:.4f}"
-    return text + (f" | {metrics[f'{split}/bpc']:.3f} bits/char" if f"{split}/bpc" in metrics else "")
+def line(metrics: dict[str, float], split: str = "test", shown: tuple[str, ...] = ()) -> str:
+    """`test loss ... | test acc ...` of evaluate's metrics (`shown`: progress.headline(task); (): all)."""
+    return metrics_text(metrics, split, shown)

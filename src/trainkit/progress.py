@@ -7,9 +7,22 @@ import sys
 from tqdm import tqdm
 
 
+def headline(task) -> tuple[str, ...]:
+    """The metrics a task's lines show: its `headline` (e.g. loss, acc, bpc, not each operand pair's acc), else
+    every metric it declares (`metrics`); () for a task that declares none: then every metric it reports."""
+    return tuple(getattr(task, "headline", None) or getattr(task, "metrics", None) or ())
+
+
+def metrics_text(metrics: dict[str, float], split: str, names: tuple[str, ...] = (), sep: str = " | ") -> str:
+    """`val loss 0.0940 | val acc 0.9666` of `<split>/<name>` keys: `names` in order, else every `<split>/` key."""
+    keys = [f"{split}/{name}" for name in names] if names else [k for k in metrics if k.startswith(f"{split}/")]
+    return sep.join(f"{split} {key.removeprefix(split + '/')} {metrics[key]:.4f}" for key in keys if key in metrics)
+
+
 class Progress:
-    def __init__(self, is_main: bool, total_steps: int, step: int):
-        self.is_main = is_main
+    def __init__(self, is_main: bool, total_steps: int, step: int, shown: tuple[str, ...] = ()):
+        """shown: the metrics an evaluation's line shows (headline(task)); (): every one."""
+        self.is_main, self.shown = is_main, shown
         on_terminal = is_main and sys.stdout.isatty()
         self.bar = (
             tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout)
@@ -36,11 +49,10 @@ class Progress:
         )
 
     def val_line(self, step: int, total_steps: int, val: dict) -> None:
-        """An evaluation's line: val loss and acc, bits/char for text, the best so far."""
+        """An evaluation's line: the task's metrics (val loss, val acc, ...), the best so far."""
         best = next((k for k in val if k.startswith("best/") and k != "best/step"), None)
         self.print(
-            f"step {step:>5}/{total_steps} | val loss {val['val/loss']:.4f} | val acc {val['val/acc']:.4f}"
-            + (f" | {val['val/bpc']:.3f} bits/char" if "val/bpc" in val else "")
+            f"step {step:>5}/{total_steps} | {metrics_text(val, 'val', self.shown)}"
             + (f" | best {best.removeprefix('best/')} {val[best]:.4f} (step {val['best/step']})" if best else "")
         )
 
@@ -59,11 +71,11 @@ class Progress:
             self.bar.close()
 
 
-def done_line(step: int, val: dict, selection, test: dict, wrote: list) -> str:
-    """The run's last line: its steps, the last val/acc, the best monitored value (trainkit.selection)
-    and its step, the test accuracy, the files written."""
-    summary = f"val acc {val['val/acc']:.4f}" if val else "no validation split"
+def done_line(step: int, val: dict, selection, test: dict, wrote: list, shown: tuple[str, ...] = ()) -> str:
+    """The run's last line: its steps, the last evaluation's metrics (`shown`: headline(task)), the best
+    monitored value (trainkit.selection) and its step, the test pass's metrics, the files written."""
+    summary = metrics_text(val, "val", shown, ", ") if val else "no validation split"
     if selection.best is not None:
         summary += f", best {selection.monitor} {selection.best:.4f} at step {selection.best_step}"
-    summary += f", test acc {test['test/acc']:.4f}" if test else ""
+    summary += f", {metrics_text(test, 'test', shown, ', ')}" if test else ""
     return f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}"

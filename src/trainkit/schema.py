@@ -244,6 +244,11 @@ class Classification:
 
 
 @dataclass
+class Regression:
+    _target_: str = MISSING
+
+
+@dataclass
 class LanguageModel:
     _target_: str = MISSING
     max_digits: int | None = None
@@ -395,7 +400,7 @@ def register() -> None:
         "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT, "timm": Timm},
         "optim": {"adamw": AdamW, "sgd": SGD},
         "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
-        "task": {"classification": Classification, "lm": LanguageModel},
+        "task": {"classification": Classification, "lm": LanguageModel, "regression": Regression},
         "data": {
             "digits": Digits,
             "fake": Fake,

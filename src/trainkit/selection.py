@@ -11,26 +11,32 @@ import math
 
 from trainkit.errors import ConfigError, RunError
 
-MINIMIZED = ("loss", "bpc")  # checkpoint.mode=auto: a key ending in one of these is minimised
-
 
 def monitored(monitor: str | None, mode: str, task, averaged: bool = False) -> tuple[str | None, str]:
-    """(key, "max" | "min") from checkpoint.monitor / checkpoint.mode: auto is the task's own
-    (`task.monitor`, e.g. ("val/acc", "max")); mode auto follows the key's metric. A key that is none
-    of the task's metrics (`task.metric_names`, where it has them) is refused before training;
-    `averaged` (trainer.ema.decay): the live weights' val_raw/* are keys too."""
+    """(key, "max" | "min") from checkpoint.monitor / checkpoint.mode: auto is the task's own key
+    (`task.monitor`, e.g. "val/acc"), and mode auto the direction the task declares for that metric
+    (`task.metrics`, e.g. {"acc": "max"}). A key that is none of the task's metrics is refused before
+    training, and so is mode auto for a metric whose direction the task does not declare (a guess from the
+    name kept the worst val/rmse); `averaged` (trainer.ema.decay): the live weights' val_raw/* are keys too.
+    A task that declares no metrics has val/loss, minimised."""
+    declared = getattr(task, "metrics", None) or {"loss": "min"}
+    for name, way in declared.items():
+        if way not in ("max", "min"):
+            raise ConfigError(f"task {type(task).__name__}: metric {name} is {way!r}: its direction must be max or min")
     if monitor == "auto":
-        monitor, task_mode = getattr(task, "monitor", ("val/loss", "min"))
-        mode = task_mode if mode == "auto" else mode
+        monitor = getattr(task, "monitor", "val/loss")
     if monitor is None:
         return None, mode
-    if (names := getattr(task, "metric_names", None)) is not None:
-        keys = [f"{split}/{name}" for split in ("val", "val_raw")[: 1 + averaged] for name in names]
-        if monitor not in keys:
-            said = ", ".join(keys)
-            raise ConfigError(f"checkpoint.monitor={monitor} is not a metric of this run's evaluation ({said})")
+    keys = [f"{split}/{name}" for split in ("val", "val_raw")[: 1 + averaged] for name in declared]
+    if monitor not in keys and getattr(task, "metrics", None) is not None:
+        raise ConfigError(f"checkpoint.monitor={monitor} is not a metric of this run's evaluation ({', '.join(keys)})")
     if mode == "auto":
-        mode = "min" if monitor.rsplit("/", 1)[-1].startswith(MINIMIZED) else "max"
+        if monitor not in keys:
+            raise ConfigError(
+                f"checkpoint.mode=auto: task {type(task).__name__} declares no direction for checkpoint.monitor="
+                f"{monitor}; set checkpoint.mode=max or min (or declare it in the task's metrics)"
+            )
+        mode = declared[monitor.split("/", 1)[1]]
     if mode not in ("max", "min"):
         raise ConfigError(f"checkpoint.mode={mode} is not one of: auto, max, min")
     return monitor, mode

@@ -2,9 +2,15 @@
 loss-bearing items (the loop normalises it over the global window), counts those items, and
 gives the evaluation sums. train.py and evaluate.py are the same for every task: forking for
 another task means one class here (or in your project) and its conf/task/<name>.yaml.
-`eval_metrics` names the metrics ("loss", "acc"; evaluate prefixes the split: val/, test/);
-`monitor` is checkpoint.monitor=auto's (key, mode), `metric_names` what an explicit monitor is
-checked against (a task without them: val/loss, min, and no check)."""
+
+What a task declares about its evaluation (the engine reads no metric by name):
+- `metrics`: {name: "max" | "min"}, the keys of `eval_metrics` and which way each is better
+  (checkpoint.mode=auto, early stopping, a search's direction); a monitored key whose direction the task
+  does not declare is refused, never guessed. Without `metrics`: val/loss alone, minimised.
+- `monitor`: checkpoint.monitor=auto's key (without: val/loss).
+- `headline` (optional): the metrics the console's lines show (default: every declared one).
+Every metric is `eval_metrics` of all-reduced `eval_sums`, so it is exact at any world size also when
+it is no mean of per-item values (R^2 below: sums of y, y^2 and squared errors)."""
 
 import math
 
@@ -23,8 +29,8 @@ class Classification:
 
     items_name = None  # items are samples: the epoch layout counts them, no communication needed
     eval_width = 3  # len(eval_sums(...))
-    monitor = ("val/acc", "max")  # checkpoint.monitor=auto / checkpoint.mode=auto: what picks the best checkpoint
-    metric_names = ("loss", "acc")  # eval_metrics' keys: a checkpoint.monitor is checked against them at start
+    metrics = {"loss": "min", "acc": "max"}  # eval_metrics' keys, which way each is better
+    monitor = "val/acc"  # checkpoint.monitor=auto: what picks the best checkpoint
 
     def __init__(self, label_smoothing: float = 0.0):
         if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 1):
@@ -49,6 +55,40 @@ class Classification:
         return {"loss": loss / samples, "acc": correct / samples}
 
 
+class Regression:
+    """One real-valued target per sample: the squared error per sample; val/loss is the mean squared
+    error, val/rmse its root, val/r2 the coefficient of determination 1 - SSE / SST of the split, with SST
+    from the all-reduced sums of y and y^2 (no per-rank means: exact at any world size). The model's
+    output of shape (N, 1) is read as (N,)."""
+
+    items_name = None  # items are samples
+    eval_width = 4  # len(eval_sums(...))
+    metrics = {"loss": "min", "rmse": "min", "r2": "max"}
+    monitor = "val/r2"
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output.reshape(target.shape) - target).pow(2).sum()
+
+    def items(self, target: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(len(target))
+
+    def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[squared errors, samples, sum of y, sum of y^2], float64 (evaluate all-reduces them)."""
+        y = target.double()
+        error = (output.double().reshape(y.shape) - y).pow(2).sum()
+        return torch.stack([error, y.new_tensor(float(len(y))), y.sum(), y.pow(2).sum()])
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        error, samples, total, squares = sums
+        spread = squares - total * total / samples  # SST: the squared deviations from the split's mean
+        mse = error / samples
+        return {"loss": mse, "rmse": math.sqrt(mse), "r2": 1 - error / spread if spread > 0 else math.nan}
+
+    def predictions(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """predict.py's columns beside `index`, one row per sample."""
+        return {"target": target, "prediction": output.reshape(target.shape)}
+
+
 class LanguageModel:
     """Next-token prediction. Items are the loss-bearing tokens (targets other than IGNORE):
     per-token cross-entropy, whose count differs between micro-batches and ranks. val/acc is the
@@ -61,12 +101,14 @@ class LanguageModel:
     token is no character)."""
 
     items_name = "tokens"
-    monitor = ("val/loss", "min")  # checkpoint.monitor=auto: exact match is 0 for long, the loss moves from the start
+    monitor = "val/loss"  # checkpoint.monitor=auto: exact match is 0 for long, the loss moves from the start
+    headline = ("loss", "acc", "bpc")  # the lines leave out the per-operand-pair accuracies
 
     def __init__(self, max_digits: int | None = None, per_character: bool = False, per_token: bool = False):
         self.max_digits, self.per_character, self.per_token = max_digits, per_character, per_token
         self.eval_width = 5 + 2 * len(self._pairs())
-        self.metric_names = ("loss", "acc", *(["bpc"] * per_character), *(f"acc_{a}x{b}" for a, b in self._pairs()))
+        pairs = {f"acc_{a}x{b}": "max" for a, b in self._pairs()}
+        self.metrics = {"loss": "min", "acc": "max"} | ({"bpc": "min"} if per_character else {}) | pairs
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")

@@ -52,8 +52,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader]:  # again when auto halves b
         layout = EpochLayout(len(train_set), d.world_size, b, K)
-        # .get: a data set's own yaml without the schema may leave the last two out
-        knobs = cfg.data.get("pin_memory", True), cfg.data.get("prefetch_factor")
+        # .get: a data set's own yaml without the schema may leave these three out
+        knobs = cfg.data.get("pin_memory", True), cfg.data.get("prefetch_factor"), cfg.data.get("shuffle", True)
         return layout, TrainLoader(train_set, d, b, cfg.data.num_workers, cfg.seed, layout.micro_batches, *knobs)
 
     layout, loader = data_for(auto.batch_size, auto.K)

@@ -5,14 +5,19 @@ import math
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from torch.utils.data import TensorDataset
 
+from helpers import compose_cfg, rows, run_in_process
 from trainkit.accumulate import EpochLayout, syncs_now
-from trainkit.data import TrainLoader
+from trainkit.checkpoint import check_compatible, run_identity
+from trainkit.data import TrainLoader, digits
 from trainkit.dist import Dist
+from trainkit.errors import ConfigError
+from trainkit.rng import seed_all
 
 
-def windows_as_trained(num_samples, world_size, batch_size, steps, drop_last, epoch=0, seed=0):
+def windows_as_trained(num_samples, world_size, batch_size, steps, drop_last, epoch=0, seed=0, shuffle=True):
     """Run the real train loader (TrainLoader: DistributedSampler's shard less its padding) on
     every rank and group its micro-batches the way train.py does; returns per optimizer step
     the sorted sample indices trained and the layout's count of real samples."""
@@ -21,7 +26,7 @@ def windows_as_trained(num_samples, world_size, batch_size, steps, drop_last, ep
     per_rank = []
     for rank in range(world_size):
         d = Dist(rank, rank, world_size, torch.device("cpu"))
-        loader = TrainLoader(dataset, d, batch_size, 0, seed, layout.micro_batches)
+        loader = TrainLoader(dataset, d, batch_size, 0, seed, layout.micro_batches, shuffle=shuffle)
         per_rank.append([batch.tolist() for (batch,) in loader.epoch(epoch)])
     assert {len(batches) for batches in per_rank} == {layout.micro_batches}, "ranks must run the same micro-steps"
     result = []
@@ -99,3 +104,38 @@ def test_set_epoch_changes_order_and_shards_are_disjoint():
     for windows in orders.values():
         assert sorted(i for trained, _ in windows for i in trained) == list(range(101))
     assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("num_samples", [7, 33])
+def test_data_shuffle_false_trains_the_data_set_in_order_at_any_allocation(num_samples):
+    """data.shuffle=false: window s is samples s·G .. (s+1)·G-1 at every (W, K, b) and in every epoch."""
+    in_order = [
+        (list(range(s * 12, min((s + 1) * 12, num_samples))), min(12, num_samples - s * 12))
+        for s in range(math.ceil(num_samples / 12))
+    ]
+    for world_size, steps, batch in [(1, 1, 12), (2, 2, 3), (3, 4, 1)]:
+        for epoch in (0, 1):
+            got = windows_as_trained(num_samples, world_size, batch, steps, False, epoch, shuffle=False)
+            assert got == in_order, (world_size, steps, batch, epoch)
+
+
+def test_a_resume_keeps_the_order_it_trained_in():
+    """data.shuffle is in the run's identity; a checkpoint from before it was recorded trained shuffled."""
+
+    train = TensorDataset(torch.arange(10))
+    shuffled, in_order = (run_identity(compose_cfg(f"data.shuffle={s}"), 32, train) for s in ("true", "false"))
+    older = {k: v for k, v in shuffled.items() if k != "data.shuffle"}
+    check_compatible(older, shuffled)
+    for saved, current in ((older, in_order), (in_order, shuffled)):
+        with pytest.raises(ConfigError, match="written with data.shuffle=(True|False), this run has data.shuffle="):
+            check_compatible(saved, current)
+
+
+def test_train_py_takes_data_shuffle(tmp_path):
+    """The first step's loss is that of the data set's first global batch, at the initial weights."""
+    run_in_process(tmp_path, "data.shuffle=false", "trainer.max_steps=1", "trainer.log_every=1")
+    seed_all(0)  # train.py's seed, before it builds the model
+    model = instantiate(compose_cfg().model)
+    x, y = digits()[0].tensors
+    expected = torch.nn.functional.cross_entropy(model(x[:32]), y[:32]).item()
+    assert rows(tmp_path)[0]["loss"] == pytest.approx(expected, rel=1e-6)

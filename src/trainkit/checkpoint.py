@@ -332,6 +332,7 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "global_batch": global_batch,
         "seed": cfg.seed,
         "data.drop_last": cfg.data.drop_last,  # which windows an epoch has: the steps after a resume would train others
+        "data.shuffle": cfg.data.get("shuffle", True),  # the epoch's order
         "optim._target_": cfg.optim._target_,
         "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
@@ -349,12 +350,16 @@ def run_settings(cfg: DictConfig) -> dict:
     return flatten(OmegaConf.to_container(cfg, resolve=True))
 
 
+BEFORE_RECORDED = {"data.shuffle": True}  # what a checkpoint written before a key joined the identity ran with
+
+
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse a resume that cannot continue the same run exactly, naming the difference.
 
     `saved` and `current` map setting names to values (train.py's `identity`). A value that names
     its source (`{"sha256": ..., "source": ...}`: a corpus and the Python it came from) is compared
     by its checksum alone and said with its source."""
+    saved = BEFORE_RECORDED | saved
     for key in current:
         if key == "data.train_samples" and key not in saved:
             continue  # a checkpoint written before trainkit recorded it: its config's keys still decide

@@ -212,13 +212,14 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
     from (seed, epoch, sample index) before loading each sample of a data set that draws.
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int):
+    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int, shuffle: bool = True):
+        """shuffle=False (data.shuffle): the epoch in the data set's order, global window s = samples s·B..(s+1)·B-1."""
         indices = range(num_samples)  # DistributedSampler only takes the len() of its "dataset"
         self.shard: DistributedSampler = DistributedSampler(
             indices,  # type: ignore[arg-type]
             num_replicas=world_size,
             rank=rank,
-            shuffle=True,
+            shuffle=shuffle,
             seed=seed,
             drop_last=False,
         )
@@ -312,8 +313,9 @@ class TrainLoader:
         micro_batches: int,
         pin_memory: bool = True,
         prefetch_factor: int | None = None,
+        shuffle: bool = True,
     ):
-        self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed)
+        self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed, shuffle)
         self.collate = collate_fn(dataset)
         self.loader = DataLoader(
             SeededBatches(dataset, seed),

@@ -267,6 +267,7 @@ class Data:
     num_classes: int | None = None
     batch_size: Any = MISSING  # per-device micro-batch, or auto (config.check: no Union in a structured config)
     drop_last: bool = False
+    shuffle: bool = True  # false: every epoch in the data set's order (global window s: samples s·B to (s+1)·B-1)
     num_workers: int = 0
     pin_memory: bool = True  # with CUDA: page-locked batches, copied to the GPU asynchronously
     prefetch_factor: int | None = None  # with workers: batches loaded ahead per worker (null: torch's 2)

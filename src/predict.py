@@ -102,7 +102,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, d: dist.Dist, out_dir: Path) -> fl
         generated = generate(model.to(d.device), loader, d, END, IGNORE, autocast)  # gathered, every rank
         metrics, rows = sequence_results(dataset, generated)
     elif hasattr(task, "predictions"):  # a task that says what its rows hold (e.g. task=regression)
-        metrics, rows = task_results(task, predict(model.to(d.device), loader, d, autocast))
+        metrics, rows = task_results(task, predict(model.to(d.device), loader, d, autocast, task))
     else:
         out = predict(model.to(d.device), loader, d, autocast)  # gathered, on every rank
         metrics, rows = metrics_of(out["logits"], out["targets"]), class_rows(out, cfg.predict.probs)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, schedules, stop
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
+from trainkit.batch import to_device, unpack
 from trainkit.data import TrainLoader
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, Stopped, user_error
@@ -77,7 +78,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
     net = instantiate(cfg.model)
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
-    efficiency = describe(net, train_set, task.items_name, d, cfg.trainer.precision)
+    efficiency = describe(net, train_set, task, d, cfg.trainer.precision)
     # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
     wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
     model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
@@ -179,13 +180,14 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     samples = layout.window_samples(window)
                     items: int | torch.Tensor = samples
                     if task.items_name:  # counted in the data: one all-reduce of a number per step
-                        items = d.all_reduce_sum(sum(task.items(y) for _, y in micro).to(d.device, torch.float64))
+                        counts = sum(task.items(unpack(task, batch)[1]) for batch in micro)
+                        items = d.all_reduce_sum(counts.to(d.device, torch.float64))
                     # The gradient is the mean over the window's items of all ranks, also for a short
                     # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
                     scale = d.world_size / items
                     guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
                     for k, batch in auto.micro_steps(micro):  # auto: up to this rank's out of memory
-                        x, y = (t.to(d.device, non_blocking=True) for t in batch)
+                        x, y = unpack(task, to_device(batch, d.device))  # what the model gets, what the loss reads
                         # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                         # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                         with sync_context(model, syncs_now(strategy, k, len(micro))), auto.catching():

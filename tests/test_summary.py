@@ -31,13 +31,15 @@ def test_the_mlps_flops_per_sample_are_its_matmuls_and_counting_changes_nothing(
     x = torch.randn(3, 1, 8, 8)
     state = {k: v.clone() for k, v in mlp.state_dict().items()}
     rng = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-    summary.forward_flops(mlp, x)
+    summary.forward_flops(mlp, x, x.device)
     assert all(torch.equal(state[k], v) for k, v in mlp.state_dict().items())  # running stats untouched (eval)
     assert torch.equal(torch.get_rng_state(), rng[0]) and (np.random.get_state()[1] == rng[1]).all()
     assert random.getstate() == rng[2] and all(m.training for m in mlp.modules())  # train mode back
     inputs, width, classes = 64, 16, 10
     mlp = models.mlp([1, 8, 8], classes, width=width, depth=1)
-    assert summary.forward_flops(mlp, torch.randn(1, 1, 8, 8)) == 2 * (inputs * width + width * classes)
+    assert summary.forward_flops(mlp, torch.randn(1, 1, 8, 8), torch.device("cpu")) == 2 * (
+        inputs * width + width * classes
+    )
 
 
 def test_flopcountermode_agrees_with_the_gpt_formula():
@@ -47,7 +49,7 @@ def test_flopcountermode_agrees_with_the_gpt_formula():
     # holds it. Without the attention (the CPU kernel counted 0, as in torch 2.14.1's own table): 18 % over.
     model = models.gpt(vocab_size=14, block_size=64, n_layer=2, n_head=4, n_embd=64)
     length = 64
-    measured = 3 * summary.forward_flops(model, torch.zeros(1, length, dtype=torch.long)) / length
+    measured = 3 * summary.forward_flops(model, torch.zeros(1, length, dtype=torch.long), torch.device("cpu")) / length
     formula = summary.gpt_formula(model, length)
     assert abs(formula / measured - 1) < 0.025, (formula, measured)
 

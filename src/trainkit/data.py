@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
-from torch.utils.data.dataloader import default_collate
 
+from trainkit.batch import collate, emptied
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.rng import sample_seed, seed_all
@@ -167,8 +167,8 @@ OmegaConf.register_new_resolver("micro_batch", micro_batch, replace=True)
 
 def collate_fn(dataset: Dataset):
     """The data set's own `collate_fn` (e.g. padding sequences to the batch's longest), else
-    torch's default."""
-    return getattr(dataset, "collate_fn", default_collate)
+    torch's default (and dataclass samples field by field: trainkit.batch.collate)."""
+    return getattr(dataset, "collate_fn", collate)
 
 
 def length(dataset: Dataset) -> int:
@@ -350,7 +350,7 @@ class TrainLoader:
 
     def _empty(self, ran: int):
         if ran < self.micro_batches:
-            empty = tuple(t[:0] for t in self.collate([self.dataset[0]]))  # right shape and dtype
+            empty = emptied(self.collate([self.dataset[0]]))  # the right structure, shapes and dtypes
             yield from itertools.repeat(empty, self.micro_batches - ran)
 
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from trainkit.batch import to_device, unpack
 from trainkit.dist import Dist
 from trainkit.halving import batches_of
 from trainkit.tasks import Classification
@@ -50,9 +51,9 @@ def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     model.eval()
     sums = torch.zeros(task.eval_width, dtype=torch.float64, device=d.device)  # loss, correct, counts, ...
     batches = batches_of(loader)
-    for x, y in batches.over(model):
+    for batch in batches.over(model):
         with batches.catching():  # auto: an out of memory drops this attempt at the batch
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            x, y = unpack(task, to_device(batch, d.device))  # what the model gets, what the task reads
             with autocast():
                 output = model(x)
             batch_sums = task.eval_sums(x, output, y).to(d.device)

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
+from trainkit.batch import emptied
 from trainkit.data import collate_fn, eval_loader, length, shard_bounds
 from trainkit.dist import Dist
 from trainkit.errors import RunError, out_of_memory
@@ -38,7 +39,7 @@ class EvalBatches:
     pass: train.py's follows the training micro-batch) and, with `halve`, smaller after an out of
     memory. Use:
 
-        for x, y in batches.over(model):
+        for batch in batches.over(model):
             with batches.catching():
                 result = ...  # the forward
             if batches.fits():  # all ranks together; else the same samples come again, half as many
@@ -96,7 +97,7 @@ class EvalBatches:
                     batches = iter(eval_loader(self.dataset, self.d, b, self.num_workers, skip=done))
                 yield next(batches)
             elif self.equal_forwards:  # done, but every FSDP forward needs every rank: an empty batch
-                yield tuple(t[:0] for t in collate_fn(self.dataset)([self.dataset[0]]))
+                yield emptied(collate_fn(self.dataset)([self.dataset[0]]))
             else:  # done: only the agreement the others take after their forward
                 self.fits()
             if not self.oom:

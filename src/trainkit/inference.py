@@ -6,6 +6,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from trainkit.batch import emptied, joined, map_tensors, to_device, unpack
+from trainkit.data import collate_fn
 from trainkit.dist import Dist
 from trainkit.halving import batches_of
 
@@ -39,25 +41,37 @@ def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def predict(model: torch.nn.Module, loader, d: Dist, autocast=contextlib.nullcontext) -> dict[str, torch.Tensor]:
-    """Logits (float32, N x C) and targets (N) of the whole data set, in dataset order, on every
-    rank (CPU tensors). `loader` reads this rank's contiguous shard (data.eval_loader); `model`
-    is the plain module, equal on every rank (no DDP wrapper: shards differ in batch count).
-    halving.EvalBatches as `loader`: a batch that ran out of memory runs again at half the size."""
+def predict(
+    model: torch.nn.Module, loader, d: Dist, autocast=contextlib.nullcontext, task=None
+) -> dict[str, torch.Tensor]:
+    """The model's outputs (floating point as float32) and the targets of the whole data set, in dataset
+    order, on every rank (CPU tensors; `logits` and `targets`, each of the batches' structure). `loader`
+    reads this rank's contiguous shard (data.eval_loader); `model` is the plain module, equal on every rank
+    (no DDP wrapper: shards differ in batch count); `task` says what of a batch the model gets (its
+    `unpack`; without: (x, y) pairs). halving.EvalBatches as `loader`: a batch that ran out of memory runs
+    again at half the size."""
     model.eval()
-    logits, targets = [], []
+    outputs, targets = [], []
     batches = batches_of(loader)
-    for x, y in batches.over(model):
+    for batch in batches.over(model):
+        x, y = unpack(task, to_device(batch, d.device))
         with batches.catching(), autocast():
-            out = model(x.to(d.device, non_blocking=True))
+            out = model(x)
         if batches.fits():  # all ranks together; else the same samples again, in smaller batches
-            logits.append(out.float())  # float32 whatever the autocast dtype: ranks must agree
-            targets.append(y.to(d.device))
+            outputs.append(map_tensors(_float32, out))  # float32 whatever the autocast dtype: ranks must agree
+            targets.append(y)
     batches.check()  # not even a batch of 1 fitted: every rank raises
-    # An empty shard (fewer samples than ranks) still joins both collectives.
-    local_logits = torch.cat(logits) if logits else torch.empty(0, 0, device=d.device)
-    local_targets = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=d.device)
-    return {"logits": gather(local_logits, d).cpu(), "targets": gather(local_targets, d).cpu()}
+    if not outputs:  # an empty shard (fewer samples than ranks) still joins every collective: shapes from no sample
+        dataset = loader.dataset
+        x, y = unpack(task, to_device(emptied(collate_fn(dataset)([dataset[0]])), d.device))
+        with autocast():
+            outputs, targets = [map_tensors(_float32, model(x))], [y]
+    gathered = (map_tensors(lambda t: gather(t, d).cpu(), joined(part)) for part in (outputs, targets))
+    return dict(zip(("logits", "targets"), gathered, strict=True))
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 @torch.inference_mode()

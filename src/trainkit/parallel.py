@@ -1,5 +1,6 @@
 """All wrapping in one place: wrap(model) for single / DDP / FSDP2, plus counting of gradient syncs."""
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainkit.batch import emptied
 from trainkit.data import shard_bounds
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -303,6 +305,5 @@ class EqualBatches:
             ran += 1
             yield batch
         if ran < self.batches:  # an empty batch of the right shape and dtype, from one real sample
-            x, y = self.loader.collate_fn([self.dataset[0]])
-            for _ in range(self.batches - ran):
-                yield x[:0], y[:0]
+            empty = emptied(self.loader.collate_fn([self.dataset[0]]))
+            yield from itertools.repeat(empty, self.batches - ran)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import flop_counter
 
+from trainkit.batch import to_device, unpack
 from trainkit.data import collate_fn
 from trainkit.dist import Dist
 from trainkit.models import GPT
@@ -103,13 +104,13 @@ def rng_kept(device: torch.device):
         np.random.set_state(numpy_state)
 
 
-def forward_flops(model: nn.Module, x: torch.Tensor) -> int:
-    """FlopCounterMode's count of one forward of x, in eval mode under no_grad; the model, its
-    buffers and every RNG as they were."""
+def forward_flops(model: nn.Module, x, device: torch.device) -> int:
+    """FlopCounterMode's count of one forward of x (what the model gets: a tensor, a dict, ...), in eval mode
+    under no_grad; the model, its buffers and every RNG as they were."""
     modes = [(m, m.training) for m in model.modules()]
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa}
     try:
-        with rng_kept(x.device), torch.no_grad():
+        with rng_kept(device), torch.no_grad():
             model.eval()
             with flop_counter.FlopCounterMode(display=False, custom_mapping=mapping) as counter:
                 model(x)
@@ -161,7 +162,7 @@ def _count(n: float) -> str:
     return f"{n:.3g}"
 
 
-def describe(model: nn.Module, dataset, items_name: str | None, d: Dist, precision: str) -> Efficiency:
+def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Efficiency:
     """The summary of the unwrapped model (rank 0 prints it), measured on the first training sample.
     The model goes to its device first (wrap() would move it there anyway) so the forward runs there."""
     model.to(d.device)
@@ -173,10 +174,11 @@ def describe(model: nn.Module, dataset, items_name: str | None, d: Dist, precisi
         "size_mb": size_bytes(model) / 1e6,
     }
     with rng_kept(d.device):  # a data set's augmentation may draw
-        x = collate_fn(dataset)([dataset[0]])[0].to(d.device)
-    per_token = items_name is not None and x.dim() == 2  # a sequence task: FLOPs per position of its context
+        x, _ = unpack(task, to_device(collate_fn(dataset)([dataset[0]]), d.device))  # what the model gets
+    # A sequence task (items are tokens) on a (1, context) tensor: FLOPs per position of its context
+    per_token = task.items_name is not None and isinstance(x, torch.Tensor) and x.dim() == 2
     try:
-        forward, why = float(forward_flops(model, x)), ""
+        forward, why = float(forward_flops(model, x, d.device)), ""
     except Exception as error:  # the summary informs, it never stops a run; the run's first forward will say
         forward, why = 0.0, (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
     train = 3 * forward  # 0: not measured

@@ -295,7 +295,8 @@ class Study:
         return trial
 
     def _interrupted(self, study: optuna.Study) -> list:
-        return [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if INTERRUPTED in t.user_attrs]
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [trial for trial in running if INTERRUPTED in trial.user_attrs]
 
     def _run(self, study: optuna.Study, numbers: list[int], overrides: list[list[str]]) -> None:
         """Launch one batch (job N: trial N, in <sweep dir>/N) and tell the study each result."""

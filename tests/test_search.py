@@ -164,6 +164,7 @@ def test_report_tables_the_trials_and_plots_the_history(study):
     assert table[0].startswith("| trial | state | val/acc | model.width | optim.lr | optim.weight_decay | error |")
     assert len(table) == 1 + len(stored)
     assert "| 0 | fail | — |" in table[1] and "non-finite loss" in table[1]
+    assert table[3].startswith(f"| 2 | pruned at step 10 | {stored[2].value:.6g} |")  # its last reported value
     assert (sweep / "report.png").read_bytes().startswith(b"\x89PNG")
 
 

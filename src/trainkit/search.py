@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import optuna
 from hydra.core.plugins import Plugins
@@ -155,7 +155,7 @@ class Study:
         self.sampler, self.direction, self.storage_url = sampler, direction, storage
         self.study_name = study_name or "study"
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
-        self.params = OmegaConf.to_container(params) if params else {}
+        self.params = cast(dict[str, Any], OmegaConf.to_container(params) if params else {})
         self.extend = instantiate({"_target_": custom_search_space, "_partial_": True}) if custom_search_space else None
         self.pruner = pruner
 

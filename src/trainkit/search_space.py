@@ -67,7 +67,7 @@ def distribution(override: Override) -> BaseDistribution:
         if _integers(override):
             return IntDistribution(int(value.start), int(value.end), log=log)
         return FloatDistribution(value.start, value.end, log=log)
-    values = list(override.sweep_iterator(transformer=Transformer.encode))
+    values: list[Any] = list(override.sweep_iterator(transformer=Transformer.encode))
     if not values:
         raise ConfigError(f"hydra.sweeper.params: {said} has no values")
     if isinstance(value, RangeSweep) and not value.shuffle:
@@ -76,7 +76,7 @@ def distribution(override: Override) -> BaseDistribution:
         if all(isinstance(v, int) for v in (*values, step)):
             if log and (step != 1 or low <= 0):
                 raise ConfigError(f"hydra.sweeper.params: {said}: tag(log, range(...)) needs integers > 0, step 1")
-            return IntDistribution(low, high, log=log, step=step)
+            return IntDistribution(low, high, log=log, step=int(step))
         if log:
             raise ConfigError(f"hydra.sweeper.params: {said}: tag(log, ...) takes interval(...) or an integer range")
         return FloatDistribution(low, high, step=step)

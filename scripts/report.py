@@ -8,9 +8,11 @@ val/acc against step, throughput per job) into that dir. Reads only what the run
 also works while a sweep is running: a job with no metrics yet, or a half-written last line,
 is reported as far as it got. Exit status 2 when the dir holds no runs.
 
-An Optuna study's sweep dir (hparams_search=..., its study.db): report.md also gets a table of the
-study's trials (parameters, objective, state, a failed trial's error) and its best trial, report.png
-the optimisation history (each trial's objective and the best so far). Job N is trial N.
+An Optuna study's sweep dir (hparams_search=..., its study.db, or study.log for a journal storage):
+report.md also gets a table of the study's trials (parameters, objective, state: a pruned trial with
+its step, a failed trial with its error) and its best trial; report.png the optimisation history (each
+trial's objective, the best so far, pruned trials marked) and each trial's reported curve (the values
+its evaluations reported to a pruner, against the step). Job N is trial N.
 """
 
 import argparse
@@ -31,7 +33,10 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 RUNNING_S = 300  # no model.pt and a metrics row written this recently: "running", else "stopped"
 ERROR_FILE = "error.txt"  # a failed run's one-line error (trainkit.config.record_failure)
 LEGEND_JOBS = 12  # report.png names the jobs in a legend up to this many
-STUDY_FILE = "study.db"  # an Optuna study's storage (conf/hydra/sweeper/optuna_study.yaml)
+STUDY_FILES = (
+    "study.db",
+    "study.log",
+)  # an Optuna study's storage: sqlite, journal (conf/hydra/sweeper/optuna_study.yaml)
 
 
 @dataclass
@@ -55,13 +60,17 @@ class Study:
 
 
 def read_study(root: Path) -> Study | None:
-    """The newest study in <root>/study.db, or None (no file: not a study's sweep)."""
-    if not (root / STUDY_FILE).is_file():
+    """The newest study in <root>/study.db (or study.log), or None (no file: not a study's sweep)."""
+    found = [root / name for name in STUDY_FILES if (root / name).is_file()]
+    if not found:
         return None
-    import optuna  # here only: 1.5 s to import
+    import optuna  # here only: a second to import
+
+    from trainkit import studies  # scripts/ runs with src/ on the path (pyproject's editable install)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = f"sqlite:///{(root / STUDY_FILE).resolve()}"
+    path = found[0].resolve()
+    storage = studies.storage(str(path) if path.suffix == ".log" else f"sqlite:///{path}")
     names = [summary.study_name for summary in optuna.get_all_study_summaries(storage)]
     if not names:
         return None
@@ -92,6 +101,8 @@ def study_markdown(study: Study) -> list[str]:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for trial in study.trials:
         state = {"RUNNING": "running (or interrupted)"}.get(trial.state.name, trial.state.name.lower())
+        if trial.state.name == "PRUNED" and "pruned_at" in trial.user_attrs:
+            state = f"pruned at step {trial.user_attrs['pruned_at']}"
         value = f"{trial.value:.6g}" if trial.value is not None else "—"
         cells = [str(trial.number), state, value, *(_param(trial.params.get(p)) for p in params)]
         cells.append(trial.user_attrs.get("error", "").replace("|", "\\|"))
@@ -286,10 +297,9 @@ def plot(jobs: list[Job], common: list[str], path: Path, study: Study | None = N
 
 
 def history(study: Study, fig, row) -> None:
-    """The optimisation history: each completed trial's objective, the best so far, failed trials marked."""
-    for ax in row:
-        ax.remove()
-    ax = fig.add_subplot(3, 1, 3)
+    """The optimisation history: each completed trial's objective, the best so far, pruned and failed
+    trials marked; beside it each trial's reported curve (its evaluations as a pruner saw them)."""
+    ax, curves = row
     done = [t for t in study.trials if t.state.name == "COMPLETE"]
     ax.plot([t.number for t in done], [t.value for t in done], "o", color="C0", label=f"trial's best {study.objective}")
     best, running = [], None
@@ -298,6 +308,17 @@ def history(study: Study, fig, row) -> None:
         running = trial.value if running is None else pick(running, trial.value)
         best.append(running)
     ax.step([t.number for t in done], best, where="post", color="C1", label="best so far")
+    if pruned := [t for t in study.trials if t.state.name == "PRUNED" and t.value is not None]:
+        ax.plot([t.number for t in pruned], [t.value for t in pruned], "x", color="C2", label="pruned (its last value)")
+    for trial in study.trials:
+        if steps := sorted(trial.intermediate_values):
+            style = {"color": "C2", "alpha": 0.6} if trial.state.name == "PRUNED" else {"color": "C0", "alpha": 0.4}
+            curves.plot(steps, [trial.intermediate_values[s] for s in steps], ".-", **style)
+    curves.plot([], [], ".-", color="C2", label="pruned trial")
+    curves.plot([], [], ".-", color="C0", label="other trial")
+    curves.set(title="each trial's reported values", xlabel="optimizer step", ylabel=study.objective)
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize="small")
     if failed := [t.number for t in study.trials if t.state.name == "FAIL"]:
         for number in failed:
             ax.axvline(number, color="C3", alpha=0.3)

@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, schedules, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpack
@@ -97,6 +97,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
+    trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
@@ -148,7 +149,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     def evaluation() -> dict[str, float]:  # EMA on: the average as val/*, the live weights as val_raw/*
         return evaluate_averaged(unwrap(model), ema, val_batches, d, autocast, task)
 
-    step, val, stopping = start["step"], {}, None
+    step, val, stopping, pruned = start["step"], {}, None, False
     # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
     seed, strategy = cfg.seed, cfg.accumulation.strategy
     log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every
@@ -237,7 +238,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if eval_now and (val := evaluation()):  # {}: nothing fit
                         best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
                         val |= selection.row()
-                stopped_early = selection.stopped  # early stopping: its last row and checkpoint at this step
+                # Pruned (every rank together: one all-reduce) ends like early stopping: its row and checkpoint
+                pruned = trial is not None and eval_now and bool(val) and trial.prunes(val, step)
+                stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
                 save_now |= stopped_early
                 if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
@@ -247,7 +250,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if eval_now and val:
                         row |= val
                         console.val_line(step, total_steps, val)
-                    if stopped_early:
+                    if pruned and trial:
+                        console.print(trial.line(step))
+                    elif stopped_early:
                         console.print(f"stopped early at step {step}: {selection.stop_reason()}")
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
@@ -264,7 +269,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept
                 if stopping or stopped_early:
                     break
-            if stopping or selection.stopped:
+            if stopping or selection.stopped or pruned:
                 break
 
         if stopping:  # a signal or trainer.max_time: its checkpoint is written, no model.pt

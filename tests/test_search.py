@@ -1,10 +1,15 @@
-"""hparams_search=digits_optuna: an Optuna study through Hydra's sweeper (trainkit.search). One study of
-3 trials (each on 2 self-launched workers, one of them diverging) continued by a second command, the
-two ranks of a torchrun study, and the sweeper's refusals."""
+"""hparams_search=digits_optuna: an Optuna study through trainkit's own Hydra sweeper (trainkit.search).
+One study of 3 trials (each on 2 self-launched workers: one diverging, one pruned by rank 1's pruner
+alone) continued by a second command (one process, a trial pruned), a study stopped by SIGTERM and
+finished by the same command, the two ranks of a torchrun study, the grammar, the storages and the
+sweeper's refusals."""
 
 import math
+import os
 import re
 import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +17,53 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
 
-from helpers import ROOT, rows, run_train, together
-from trainkit import search
+from helpers import ROOT, compose_cfg, rows, run_train, together
+from trainkit import search, search_space, studies
+from trainkit.errors import ConfigError
 
-# seed=3: the sampler's first three draws of optim.lr are 1e6 (SGD diverges: a failed trial), 0.05, 0.05.
+
+class PlantedPruner(optuna.pruners.BasePruner):
+    """Prunes trial `trial` on rank `rank` alone (the other ranks' pruners say go on): the ranks must
+    still stop together (one all-reduce), not hang. Takes and ignores digits_optuna's median settings."""
+
+    def __init__(self, rank: int, trial: int, **ignored):
+        self.rank, self.trial = rank, trial
+
+    def prune(self, study, trial) -> bool:
+        return trial.number == self.trial and int(os.environ.get("RANK", "0")) == self.rank
+
+
+def planted_pruner(rank: int, trial: int) -> tuple[str, ...]:
+    target = "hydra.sweeper.pruner._target_=test_search.PlantedPruner"
+    return target, f"+hydra.sweeper.pruner.rank={rank}", f"+hydra.sweeper.pruner.trial={trial}"
+
+
+def sigterm_mlp(marker: str, at_forward: int, **mlp):
+    """model=mlp that sends this process SIGTERM once, at its at_forward-th training forward."""
+    from trainkit.models import mlp as make_mlp
+
+    net, calls = make_mlp(**mlp), [0]
+
+    def hook(module, args):
+        calls[0] += module.training
+        if calls[0] == at_forward and not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    net.register_forward_pre_hook(hook)
+    return net
+
+
+# seed=8: the sampler's first three draws of optim.lr are 1e6 (SGD diverges: a failed trial), 0.05, 0.05; a
+# continued study (seed 8 + 3) draws 0.05 twice (optuna 5.0's TPESampler, its random start-up trials).
 STUDY = (
     "hparams_search=digits_optuna",
-    "seed=3",
+    "seed=8",
     "optim=sgd",
     "optim.lr=choice(0.05,1e6)",
     "trainer.clip_grad_norm=null",
@@ -30,18 +73,22 @@ STUDY = (
 )
 
 
-def trials(sweep: Path) -> list:
-    return optuna.load_study(study_name="digits_optuna", storage=f"sqlite:///{sweep / 'study.db'}").trials
+def trials(sweep: Path, name: str = "study.db") -> list:
+    url = f"sqlite:///{sweep / name}" if name.endswith(".db") else str(sweep / name)  # .log: a journal file
+    return studies.load("digits_optuna", url).trials
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    """Two commands on one study: 3 trials on 2 self-launched workers each, then 2 more in one process."""
+    """Two commands on one study: 3 trials on 2 self-launched workers each (trial 2 pruned by rank 1's
+    pruner alone), then 2 more in one process (trial 4 pruned)."""
     sweep = tmp_path_factory.mktemp("study") / "sweep"
     common = (*STUDY, f"hydra.sweep.dir={sweep}")
-    first = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=3", "parallel.nproc_per_node=2")
+    first = run_train(
+        sweep / "unused", *common, "hydra.sweeper.n_trials=3", "parallel.nproc_per_node=2", *planted_pruner(1, 2)
+    )
     earlier = trials(sweep)
-    second = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=2")
+    second = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
     return sweep, first, second, earlier
 
 
@@ -49,11 +96,12 @@ def study(tmp_path_factory):
 def test_a_study_records_each_trial_with_its_objective_and_a_failed_one_with_its_error(study):
     sweep, first, _, earlier = study
     assert (sweep / "study.db").is_file()
-    assert [t.params["optim.lr"] for t in earlier] == [1e6, 0.05, 0.05]  # seed=3's draws (see STUDY)
-    failed, *done = earlier
+    assert [t.params["optim.lr"] for t in earlier] == [1e6, 0.05, 0.05]  # seed=8's draws (see STUDY)
+    failed, *done, pruned = earlier
     assert failed.state == optuna.trial.TrialState.FAIL
     assert failed.user_attrs["error"].startswith("non-finite loss or gradient in steps 1-10")
     assert "trial 0 failed: non-finite loss" in first.stderr  # and the study went on:
+    assert "study digits_optuna: 3 trials (1 failed, 1 pruned), 3 in all" in first.stdout
     for trial in done:
         assert trial.state == optuna.trial.TrialState.COMPLETE
         evaluations = [r for r in rows(sweep / str(trial.number)) if "val/acc" in r]
@@ -72,7 +120,7 @@ def test_a_second_command_continues_the_study_in_new_dirs_with_new_draws(study):
     assert [t.number for t in later] == [3, 4]
     assert sorted(p.name for p in sweep.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3", "4"]
     assert "resumed from" not in second.stdout  # job N trains trial N in N/: never an old trial's checkpoint
-    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in later)  # seed 3 + 3's draws: lr 0.05
+    assert [t.state for t in later] == [TrialState.COMPLETE, TrialState.PRUNED]  # seed 8 + 3's draws: lr 0.05
     for trial in later:
         assert rows(sweep / str(trial.number))[0]["step"] == 10  # a fresh run, not one resumed at step 20
         config = yaml.safe_load((sweep / str(trial.number) / ".hydra" / "config.yaml").read_text())
@@ -80,6 +128,23 @@ def test_a_second_command_continues_the_study_in_new_dirs_with_new_draws(study):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("number", [2, 4])  # 2: 2 self-launched ranks, rank 1's pruner alone; 4: one process
+def test_a_pruned_trial_ends_like_an_early_stop_and_is_pruned_in_the_study(study, number):
+    sweep, first, second, _ = study
+    trial = trials(sweep)[number]
+    assert trial.state == TrialState.PRUNED and trial.user_attrs["pruned_at"] == 10
+    evaluations = [r for r in rows(sweep / str(number)) if "val/acc" in r]
+    assert [r["step"] for r in evaluations] == [10]  # its first evaluation ended it (max_steps=20)
+    assert trial.intermediate_values == {10: evaluations[0]["val/acc"]} and trial.value == evaluations[0]["val/acc"]
+    assert (
+        f"pruned at step 10: val/acc {trial.value:.4g} (hydra.sweeper.pruner=PlantedPruner)"
+        in (first if number == 2 else second).stdout
+    )
+    assert (sweep / str(number) / "checkpoints" / "step_00000010.pt").is_file()
+    assert (sweep / str(number) / "model_best.pt").is_file()
+
+
 def test_a_continued_study_draws_new_trials(study):
     # The sampler continues at seed + 3 trials: with the seed itself it would draw trials 0 and 1 again.
     sweep, _, _, earlier = study
@@ -99,6 +164,7 @@ def test_report_tables_the_trials_and_plots_the_history(study):
     assert table[0].startswith("| trial | state | val/acc | model.width | optim.lr | optim.weight_decay | error |")
     assert len(table) == 1 + len(stored)
     assert "| 0 | fail | — |" in table[1] and "non-finite loss" in table[1]
+    assert table[3].startswith(f"| 2 | pruned at step 10 | {stored[2].value:.6g} |")  # its last reported value
     assert (sweep / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -131,16 +197,15 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
     assert failing.stderr.strip().splitlines()[-2:] == [
         "trial 0 failed: non-finite loss or gradient in steps 1-10 (trainer.on_nonfinite=raise; skip drops "
         "such windows)",
-        "error: study digits_optuna: 1 trials (1 failed), 1 in all; no trial completed",
+        "error: study digits_optuna: 1 trials (1 failed, 0 pruned), 1 in all; no trial completed",
     ]
     assert another_space.returncode == 2
     assert another_space.stderr.strip().splitlines() == [
-        "error: hydra.sweeper.params: Cannot set different distribution kind to the same parameter name. Study "
-        "digits_optuna searched another space for it: change the space in a new study (hydra.sweeper.study_name, "
+        "error: hydra.sweeper.params: optim.lr: Cannot set different distribution kind to the same parameter name. "
+        "Study digits_optuna searched another space for it: change the space in a new study (hydra.sweeper.study_name, "
         "or another hydra.sweep.dir)"
     ]
-    asked = trials(Path(f"{sweep}4"))[-1]  # the trial asked before the parameter was refused: not left running
-    assert asked.number == 5 and asked.state == optuna.trial.TrialState.FAIL
+    assert len(trials(Path(f"{sweep}4"))) == 5  # refused before a trial was asked (none left running)
 
 
 @pytest.mark.slow
@@ -150,6 +215,7 @@ def test_under_torchrun_every_rank_trains_the_trial_rank_0_asked_for(tmp_path):
         tmp_path / "unused",
         "hparams_search=digits_optuna",
         "hydra.sweeper.sampler.seed=null",  # rank 1 drawing its own trial would draw other values
+        f"hydra.sweeper.storage={sweep}/study.log",  # Optuna's JournalStorage on a file (NFS, SLURM arrays)
         "parallel=ddp",
         "trainer.max_steps=10",
         "hydra.sweeper.n_trials=2",
@@ -161,7 +227,8 @@ def test_under_torchrun_every_rank_trains_the_trial_rank_0_asked_for(tmp_path):
     for out in logs.rglob("stdout.log"):
         launched[out.parent.name] = re.findall(r"#(\d+) : (.*)", out.read_text())
     assert launched["0"] == launched["1"] and len(launched["0"]) == 2
-    for (number, overrides), trial in zip(launched["0"], trials(sweep), strict=True):
+    assert not (sweep / "study.db").exists()
+    for (number, overrides), trial in zip(launched["0"], trials(sweep, "study.log"), strict=True):
         assert int(number) == trial.number and trial.state == optuna.trial.TrialState.COMPLETE
         assert f"optim.lr={trial.params['optim.lr']}" in overrides.split()
 
@@ -204,3 +271,146 @@ def test_a_study_in_several_processes_without_torchrun_is_refused(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with pytest.raises(search.ConfigError, match="needs torchrun"):
         search.lockstep_ranks()
+
+
+def test_a_study_stopped_by_sigterm_is_finished_by_the_same_command_from_its_checkpoint(tmp_path):
+    sweep, marker = tmp_path / "sweep", tmp_path / "sigterm"
+    command = (
+        *STUDY[:2],
+        "optim.lr=0.05",
+        "trainer.max_steps=20",
+        "trainer.eval_every=10",
+        "checkpoint.every=10",
+        "hydra.sweeper.n_trials=1",
+        f"hydra.sweep.dir={sweep}",
+        "model._target_=test_search.sigterm_mlp",
+        f"+model.marker={marker}",
+        "+model.at_forward=15",
+    )
+    stopped = run_train(tmp_path / "unused", *command, check=False)
+    assert stopped.returncode == 128 + signal.SIGTERM
+    assert stopped.stderr.strip().splitlines()[-2:] == [
+        "stopped by SIGTERM at step 15; checkpoint written; the same command resumes",
+        f"study digits_optuna: trial(s) 0 interrupted; the same command finishes them first, from their "
+        f"checkpoints in {sweep / '0'}, then asks its new trials",
+    ]
+    (interrupted,) = trials(sweep)
+    assert interrupted.state == TrialState.RUNNING and "interrupted" in interrupted.user_attrs
+    again = run_train(tmp_path / "unused", *command)
+    assert "study digits_optuna: finishing trial 0, stopped at its checkpoint" in again.stdout
+    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step_00000015.pt'} at step 15" in again.stdout
+    finished, new = trials(sweep)
+    assert finished.state == new.state == TrialState.COMPLETE and finished.params == interrupted.params
+    assert [r["step"] for r in rows(sweep / "0") if "val/acc" in r] == [10, 20]  # one run, resumed at 15
+    assert finished.value == max(r["val/acc"] for r in rows(sweep / "0") if "val/acc" in r)
+    assert "study digits_optuna: 1 trials (0 failed, 0 pruned), 2 in all" in again.stdout
+
+
+def distributions(*overrides: str) -> dict:
+    return search_space.parse(list(overrides))[0]
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ("choice(32,64,'a b',true)", CategoricalDistribution([32, 64, "a b", True])),
+        ("interval(32,256)", IntDistribution(32, 256)),  # two integers: an integer (Hydra made floats of them)
+        ("interval(32,256.0)", FloatDistribution(32.0, 256.0)),
+        ("interval(0,0.1)", FloatDistribution(0.0, 0.1)),
+        ("tag(log,interval(1e-4,3e-2))", FloatDistribution(1e-4, 3e-2, log=True)),
+        ("tag(log,interval(1,64))", IntDistribution(1, 64, log=True)),
+        ("range(1,4)", IntDistribution(1, 3)),  # Hydra's range: the stop excluded (1, 2, 3), as the basic sweeper's
+        ("range(0,10,3)", IntDistribution(0, 9, step=3)),
+        ("range(5,0,-2)", IntDistribution(1, 5, step=2)),  # 5, 3, 1
+        ("range(0.1,0.5,0.1)", FloatDistribution(0.1, 0.4, step=0.1)),
+        ("tag(log,range(1,9))", IntDistribution(1, 8, log=True)),
+    ],
+)
+def test_the_grammar_maps_each_form_to_its_distribution(written, expected):
+    assert distributions(f"k={written}") == {"k": expected}
+    shuffled = distributions("k=shuffle(range(1,4))")["k"]  # range's values as unordered choices
+    assert isinstance(shuffled, CategoricalDistribution) and sorted(shuffled.choices) == [1, 2, 3]
+
+
+def test_the_grammar_draws_range_as_the_basic_sweeper_lists_it_and_keeps_fixed_values_and_the_last_word():
+    (override,) = OverridesParser.create().parse_overrides(["k=range(1,4)"])
+    listed = list(override.sweep_iterator())
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = {study.ask(fixed_distributions=distributions("k=range(1,4)")).params["k"] for _ in range(60)}
+    assert sorted(drawn) == listed == [1, 2, 3]
+    space, fixed = search_space.parse(["a=choice(1,2)", "b=3", "a=0.5", "b=interval(0,1.5)"])  # params, command
+    assert fixed == {"a": "0.5"} and space == {"b": FloatDistribution(0.0, 1.5)}
+    assert search_space.override_text("optim.lr", 1.0) == "optim.lr=1.0"
+    assert search_space.grid(distributions("a=range(1,4)", "b=choice(x,y)")) == {"a": [1, 2, 3], "b": ["x", "y"]}
+
+
+@pytest.mark.parametrize(
+    ("written", "error"),
+    [
+        ("k=tag(log,choice(1,2))", "k=tag(log,choice(1,2)): tag(log, ...) takes interval(...) or an integer range"),
+        ("k=tag(log,interval(0,1))", "k=tag(log,interval(0,1)): a log interval needs a low bound > 0"),
+        ("k=interval(2,1)", "k=interval(2,1) is empty (interval(low, high) needs low < high)"),
+        ("k=range(1,1)", "k=range(1,1) has no values"),
+    ],
+)
+def test_the_grammar_refuses_what_optuna_cannot_draw(written, error):
+    with pytest.raises(ConfigError) as refused:
+        search_space.parse([written])
+    assert str(refused.value) == f"hydra.sweeper.params: {error}"
+
+
+def test_pruning_is_refused_where_it_cannot_be_right():
+    pruner, cfg = optuna.pruners.MedianPruner(), compose_cfg()
+    name = "hydra.sweeper.pruner (MedianPruner)"
+    refusals = {
+        (None, (), cfg): f"{name} needs a stored study: hydra.sweeper.storage=null keeps it in this process's memory",
+        ("sqlite:///x.db", ("trainer.eval_every",), cfg): f"{name} compares the trials' values at equal steps: "
+        "trainer.eval_every is searched, so they evaluate at different steps; fix it for the study",
+        ("sqlite:///x.db", (), compose_cfg("checkpoint.monitor=null")): f"{name} prunes on checkpoint.monitor's "
+        "value; checkpoint.monitor is null",
+    }
+    for (storage, keys, config), error in refusals.items():
+        with pytest.raises(ConfigError) as refused:
+            search.check_pruner(pruner, storage, keys, config)
+        assert str(refused.value) == error
+    search.check_pruner(pruner, "sqlite:///x.db", ("optim.lr",), cfg)  # allowed
+    search.check_pruner(None, None, ("trainer.eval_every",), cfg)  # no pruner: anything goes
+
+
+def test_a_study_refuses_several_objectives_and_a_pruner_on_other_evaluation_steps(tmp_path):
+    sweeper = search.Study(sampler=None, direction=["maximize", "minimize"])
+    with pytest.raises(ConfigError, match=r"direction=\['maximize', 'minimize'\]: a study of trainkit runs has one"):
+        sweeper._direction(compose_cfg())
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s")
+    study.set_user_attr(search.EVAL_EVERY, 10)
+    sweeper = search.Study(sampler=None, study_name="s")
+    sweeper.config = compose_cfg("trainer.eval_every=20")
+    with pytest.raises(ConfigError) as refused:
+        sweeper._same_steps(study)
+    assert str(refused.value) == (
+        "hydra.sweeper.pruner compares the trials' values at equal steps: study s's trials evaluated every 10 "
+        "steps, not trainer.eval_every=20; keep it, or start a new study"
+    )
+
+
+def test_a_study_written_by_optuna_2_10_gets_the_line_that_upgrades_it(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    optuna.create_study(storage=url, study_name="s")
+    with sqlite3.connect(tmp_path / "study.db") as db:  # the schema optuna 2.10.1 leaves (alembic's revision)
+        db.execute("UPDATE alembic_version SET version_num = 'v2.6.0.a'")
+        db.execute("UPDATE version_info SET library_version = '2.10.1'")
+    with pytest.raises(ConfigError) as refused:
+        studies.storage(url)
+    assert str(refused.value) == (
+        f"hydra.sweeper.storage={url} was written by optuna 2.10.1 (hydra-optuna-sweeper's); upgrade it once, in "
+        f"place, with `optuna storage upgrade --storage {url}` (copy it first to keep the old one), then run the "
+        "command again"
+    )
+
+
+def test_a_journal_storage_is_a_path_ending_in_log(tmp_path):
+    storage = studies.storage(str(tmp_path / "study.log"))
+    assert isinstance(storage, optuna.storages.JournalStorage)
+    optuna.create_study(storage=storage, study_name="s").optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert len(studies.load("s", str(tmp_path / "study.log")).trials) == 2
+    assert studies.storage(f"sqlite:///{tmp_path / 'study.db'}").__class__.__name__ != "JournalStorage"

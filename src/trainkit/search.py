@@ -1,5 +1,5 @@
-"""An Optuna study through Hydra's sweeper (hydra-optuna-sweeper 1.3.0, pinned in pyproject.toml), with
-what a study of trainkit runs needs on top of the plugin:
+"""An Optuna study as a Hydra sweeper (hydra/sweeper=optuna_study): trainkit's own, on Optuna 5 through its
+public API (ask with the search space's distributions, tell), with what a study of trainkit runs needs:
 
 - one study for every rank. Under torchrun every worker runs the sweeper; each drawing its own trial gave
   ranks different parameters (lightning-hydra-template #639). Rank 0 asks Optuna and tells it the result;
@@ -8,13 +8,17 @@ what a study of trainkit runs needs on top of the plugin:
   trial 0's dir and resume its checkpoint with the new trial's settings (LHT #535; a resume may change
   optim.* by design). A dir beyond the study's trials that already holds a run is refused.
 - a failed trial (its job's one-line error, kept as the trial's user attribute "error") or a NaN objective
-  is a FAIL trial and the study goes on; the plugin crashes on NaN (Hydra #2237) and stops at the first
-  failure (max_failure_rate 0).
+  is a FAIL trial and the study goes on (hydra-optuna-sweeper crashed on NaN, Hydra #2237).
 - direction auto follows checkpoint.mode: the objective a job returns is the run's best monitored value.
 - a seeded sampler continues at seed + the trials so far: with the seed itself, a continued study
   would draw its random start-up trials again.
-"""
+- a trial stopped by a signal (its checkpoint written) is marked "interrupted"; the same command first
+  finishes it in its dir, from that checkpoint, then asks new trials.
+- hydra.sweeper.pruner: the jobs report their evaluations and stop when pruned (trainkit.pruning); the
+  sweeper tells Optuna PRUNED. Refused where a pruner cannot be right (see check_pruner).
+The grammar of hydra.sweeper.params: trainkit.search_space; the storage: trainkit.studies."""
 
+import functools
 import json
 import math
 import os
@@ -22,25 +26,25 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import optuna
+from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
-from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
-from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
 from omegaconf import DictConfig, OmegaConf
+from optuna.trial import TrialState
 
-from trainkit import dist
+from trainkit import dist, search_space, studies
 from trainkit.errors import ConfigError
+from trainkit.pruning import PRUNED_AT
 from trainkit.selection import monitored
 
 ERROR_FILE = "error.txt"  # a failed job's one-line error (trainkit.config.record_failure)
 DIRECTIONS = {"max": "maximize", "min": "minimize"}
-
-
-class TrialFailed(RuntimeError):
-    """A trial's job failed, or returned NaN or nothing: its one line, for the sweeper's FAIL."""
+INTERRUPTED = "interrupted"  # a trial's user attribute: stopped by a signal at its checkpoint, to be finished
+OVERRIDES = "overrides"  # a trial's user attribute: the overrides its job ran with (to finish it later)
+EVAL_EVERY = "trainer.eval_every"  # the study's user attribute under a pruner: its trials' evaluation steps
 
 
 def objective(cfg: DictConfig) -> tuple[str, str]:
@@ -102,140 +106,250 @@ def lockstep_ranks() -> bool:
     return True
 
 
-class Study(OptunaSweeperImpl):
-    """The plugin's sweeper (its keys, search space syntax, samplers and loop), rank 0 the study's only
-    client; see the module's docstring."""
+def check_pruner(pruner: Any, storage: str | None, keys: Sequence[str], cfg: DictConfig) -> None:
+    """Pruning that cannot be right is refused: the trials report from their own processes to a stored
+    study, pruners compare values at equal steps of every trial, and need a monitored value. (Several
+    objectives, which Optuna cannot prune, are refused for every study: Study._direction.)"""
+    if pruner is None:
+        return
+    name = f"hydra.sweeper.pruner ({type(pruner).__name__})"
+    if storage is None:
+        raise ConfigError(f"{name} needs a stored study: hydra.sweeper.storage=null keeps it in this process's memory")
+    if EVAL_EVERY in keys:
+        raise ConfigError(
+            f"{name} compares the trials' values at equal steps: {EVAL_EVERY} is searched, so they evaluate at "
+            "different steps; fix it for the study"
+        )
+    if cfg.checkpoint.monitor is None:
+        raise ConfigError(f"{name} prunes on checkpoint.monitor's value; checkpoint.monitor is null")
+
+
+class Study:
+    """The sweeper behind hydra_plugins.trainkit_search (its keys: conf/hydra/sweeper/optuna_study.yaml)."""
+
+    def __init__(
+        self,
+        sampler: Any,
+        direction: Any = "auto",
+        storage: str | None = None,
+        study_name: str | None = None,
+        n_trials: int = 20,
+        n_jobs: int = 1,
+        max_failure_rate: float = 1.0,
+        params: DictConfig | None = None,
+        custom_search_space: str | None = None,
+        pruner: Any = None,
+        **unknown: Any,
+    ):
+        if unknown:
+            keys = "sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate, params, "
+            raise ConfigError(
+                f"hydra.sweeper.{next(iter(unknown))} is not a setting of hydra/sweeper=optuna_study; its settings: "
+                f"{keys}custom_search_space, pruner"
+            )
+        if not 0 <= max_failure_rate <= 1:
+            raise ConfigError(f"hydra.sweeper.max_failure_rate={max_failure_rate} must be between 0 and 1")
+        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"hydra.sweeper.{key}={value} must be a positive integer")
+        self.sampler, self.direction, self.storage_url = sampler, direction, storage
+        self.study_name = study_name or "study"
+        self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
+        self.params = cast(dict[str, Any], OmegaConf.to_container(params) if params else {})
+        self.extend = instantiate({"_target_": custom_search_space, "_partial_": True}) if custom_search_space else None
+        self.pruner = pruner
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
-        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         optuna.logging.disable_default_handler()  # optuna's lines through Hydra's log (uncoloured)
         optuna.logging.enable_propagation()
+        self.config, self.sweep_dir = config, Path(config.hydra.sweep.dir)
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
         self.leader = dist.env_rank() == 0
         self.lockstep = Lockstep() if lockstep_ranks() else None
         self.objective_key, self.direction = self._direction(config)
-        self.pending: list[optuna.trial.Trial] = []
         if not self.leader:
             return
-        Path(self.sweep_dir).mkdir(parents=True, exist_ok=True)  # the sqlite file's dir
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the sqlite file's dir
+        self.storage = studies.storage(self.storage_url) or optuna.storages.InMemoryStorage()
         self.earlier = len(self._trials())  # the study's trials before this command
         self._refuse_stale_dirs()
-        if self.storage:  # the objective's name, for scripts/report.py
-            study = optuna.create_study(
-                study_name=self.study_name, storage=self.storage, directions=self._get_directions(), load_if_exists=True
-            )
-            study.set_user_attr("objective", self.objective_key)
         seed = OmegaConf.select(config, "hydra.sweeper.sampler.seed")
         if seed is not None and self.earlier:
             self.sampler = instantiate(config.hydra.sweeper.sampler, seed=seed + self.earlier)
-        assert self.launcher is not None  # the plugin's setup made it
-        self.launcher = _Trials(self.launcher, self)
 
     def _direction(self, config: DictConfig) -> tuple[str, str]:
         key, wanted = objective(config)
         if self.direction == "auto":
             return key, wanted
-        given = self.direction if isinstance(self.direction, str) else getattr(self.direction, "name", self.direction)
-        if given not in DIRECTIONS.values():
-            raise ConfigError(f"hydra.sweeper.direction={given} is not one of: auto, maximize, minimize")
-        if given != wanted:
+        if not isinstance(self.direction, str):  # Optuna's several objectives: a trainkit run returns one
             raise ConfigError(
-                f"hydra.sweeper.direction={given} contradicts checkpoint.mode: the objective, the run's best {key}, "
-                f"is {wanted.removesuffix('e')}ed (leave direction auto)"
+                f"hydra.sweeper.direction={list(self.direction)}: a study of trainkit runs has one objective, the "
+                f"run's best {key} (train.py's return value); give one direction, or auto"
+            )
+        if self.direction not in DIRECTIONS.values():
+            raise ConfigError(f"hydra.sweeper.direction={self.direction} is not one of: auto, maximize, minimize")
+        if self.direction != wanted:
+            raise ConfigError(
+                f"hydra.sweeper.direction={self.direction} contradicts checkpoint.mode: the objective, the run's best "
+                f"{key}, is {wanted.removesuffix('e')}ed (leave direction auto)"
             )
         return key, wanted
 
     def _refuse_stale_dirs(self) -> None:
         """Job N trains in <sweep dir>/N: one of those past the study's trials that holds a run belongs to
         another study (a removed study file, another study_name in this dir)."""
-        sweep = OmegaConf.to_container(self.config.hydra.sweep) if self.config else {}  # unresolved
+        sweep = OmegaConf.to_container(self.config.hydra.sweep)  # unresolved
         if not isinstance(sweep, dict) or sweep.get("subdir") != "${hydra.job.num}":
             return
-        for path in sorted(Path(self.sweep_dir).iterdir()):
+        for path in sorted(self.sweep_dir.iterdir()):
             if path.name.isdigit() and int(path.name) >= self.earlier and any(path.iterdir()):
                 raise ConfigError(
                     f"{path} holds a run, but study {self.study_name} has {self.earlier} trials: a new trial "
                     f"would resume it; use another hydra.sweep.dir (or the study that trained it)"
                 )
 
-    def _configure_trials(self, trials: list, *args: Any) -> Sequence[Sequence[str]]:
+    def _trials(self) -> list:
+        """The stored study's trials; none when it does not exist yet."""
         try:
-            overrides = super()._configure_trials(trials, *args)
-        except ValueError as error:  # optuna: a parameter asked with another distribution than the study's
-            for trial in trials:
-                trial.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            raise ConfigError(
-                f"hydra.sweeper.params: {error} Study {self.study_name} searched another space for it: "
-                "change the space in a new study (hydra.sweeper.study_name, or another hydra.sweep.dir)"
-            ) from None
-        numbers = [trial.number for trial in trials]
-        if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
-            raise ConfigError(f"trials {numbers} of study {self.study_name}: another command asks it at once")
-        self.job_idx, self.pending = numbers[0], list(trials)  # job N is trial N, in <sweep dir>/N
-        return overrides
+            return optuna.load_study(study_name=self.study_name, storage=self.storage).trials
+        except KeyError:  # "Record does not exist."
+            return []
 
     def sweep(self, arguments: list[str]) -> None:
         if not self.leader:  # torchrun's other ranks: rank 0's trials, in its order
-            assert self.lockstep is not None and self.launcher is not None
+            assert self.lockstep is not None
             while (batch := self.lockstep.receive()) is not None:
                 self.launcher.launch(batch["overrides"], initial_job_idx=batch["job_idx"])
             return
         try:
-            super().sweep(arguments)
-        except ValueError:  # optuna has no best trial to report when every trial failed: said below
-            if self._completed():
-                raise
+            self._study(arguments)
         finally:
             if self.lockstep is not None:
                 self.lockstep.publish(None)
-        self._summary()
 
-    def _trials(self) -> list:
-        """The stored study's trials; none when it does not exist yet (or lives in memory)."""
-        if not self.storage:
-            return []
+    def _study(self, arguments: list[str]) -> None:
+        space, fixed = search_space.parse([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
+        check_pruner(self.pruner, self.storage_url, list(space), self.config)
+        if isinstance(self.sampler, functools.partial) and self.sampler.func is optuna.samplers.GridSampler:
+            grid = search_space.grid(space)
+            self.sampler = self.sampler(grid)
+            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
+        study = optuna.create_study(
+            study_name=self.study_name, storage=self.storage, sampler=self.sampler, direction=self.direction,
+            load_if_exists=True,
+        )  # fmt: skip
+        study.set_user_attr("objective", self.objective_key)  # for scripts/report.py
+        self._same_space(study, space)
+        if self.pruner is not None:
+            self._same_steps(study)
+        for trial in self._interrupted(study):  # finished first, each in its own dir, from its checkpoint
+            print(f"study {self.study_name}: finishing trial {trial.number}, {trial.user_attrs[INTERRUPTED]}")
+            self._run(study, [trial.number], [trial.user_attrs[OVERRIDES]])
+        to_go = self.n_trials
+        while to_go > 0:
+            batch = [self._ask(study, space, fixed) for _ in range(min(to_go, self.n_jobs))]
+            numbers = [trial.number for trial in batch]
+            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+                raise ConfigError(f"trials {numbers} of study {self.study_name}: another command asks it at once")
+            self._run(study, numbers, [trial.user_attrs[OVERRIDES] for trial in batch])
+            to_go -= len(batch)
+        self._summary(study)
+
+    def _same_steps(self, study: optuna.Study) -> None:
+        """A pruner compares the trials' values at equal steps: the study's trials all evaluate alike."""
+        every = self.config.trainer.eval_every
+        if (before := study.user_attrs.get(EVAL_EVERY, every)) != every:
+            raise ConfigError(
+                f"hydra.sweeper.pruner compares the trials' values at equal steps: study {self.study_name}'s trials "
+                f"evaluated every {before} steps, not trainer.eval_every={every}; keep it, or start a new study"
+            )
+        study.set_user_attr(EVAL_EVERY, every)
+
+    def _same_space(self, study: optuna.Study, space: search_space.Space) -> None:
+        """A parameter the study searched as another kind (a choice, now an interval) is refused before any
+        trial is asked (Optuna would refuse it with the trial asked and left running)."""
+        for trial in study.get_trials(deepcopy=False):
+            for key, new in space.items():
+                if key not in trial.distributions:
+                    continue
+                try:
+                    optuna.distributions.check_distribution_compatibility(trial.distributions[key], new)
+                except ValueError as error:
+                    raise ConfigError(
+                        f"hydra.sweeper.params: {key}: {error} Study {self.study_name} searched another space for "
+                        "it: change the space in a new study (hydra.sweeper.study_name, or another hydra.sweep.dir)"
+                    ) from None
+
+    def _ask(self, study: optuna.Study, space: search_space.Space, fixed: dict[str, str]) -> optuna.Trial:
+        trial = study.ask(fixed_distributions=space)
         try:
-            return optuna.load_study(study_name=self.study_name, storage=self.storage).trials
-        except KeyError:  # optuna 2.10: "Record does not exist."
-            return []
+            if self.extend is not None:  # custom_search_space(config, trial): suggests more parameters
+                self.extend(self.config, trial)
+        except Exception:
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        drawn = [search_space.override_text(k, v) for k, v in trial.params.items()]
+        trial.set_user_attr(OVERRIDES, drawn + [f"{k}={v}" for k, v in fixed.items()])
+        return trial
 
-    def _completed(self) -> list:
-        return [t for t in self._trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    def _interrupted(self, study: optuna.Study) -> list:
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [trial for trial in running if INTERRUPTED in trial.user_attrs]
 
-    def _summary(self) -> None:
+    def _run(self, study: optuna.Study, numbers: list[int], overrides: list[list[str]]) -> None:
+        """Launch one batch (job N: trial N, in <sweep dir>/N) and tell the study each result."""
+        if self.lockstep is not None:
+            self.lockstep.publish({"job_idx": numbers[0], "overrides": overrides})
+        try:
+            returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
+        except SystemExit:  # a job stopped by a signal (its checkpoint written): this command ends with it
+            for number in numbers:
+                self.storage.set_trial_user_attr(self._id(number), INTERRUPTED, "stopped at its checkpoint")
+            runs = ", ".join(str(self.sweep_dir / str(n)) for n in numbers)
+            print(
+                f"study {self.study_name}: trial(s) {', '.join(map(str, numbers))} interrupted; the same command "
+                f"finishes them first, from their checkpoints in {runs}, then asks its new trials",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
+        failed = 0
+        for number, ret in zip(numbers, returns, strict=True):
+            if (error := outcome(ret, self.sweep_dir / str(number))) is not None:
+                self.storage.set_trial_user_attr(self._id(number), "error", error)
+                study.tell(number, state=TrialState.FAIL)
+                failed += 1
+            elif PRUNED_AT in self.storage.get_trial(self._id(number)).user_attrs:  # stopped at the pruner's word
+                study.tell(number, state=TrialState.PRUNED)
+            else:
+                study.tell(number, float(ret._return_value))
+        if failed / len(numbers) > self.max_failure_rate:
+            raise ConfigError(
+                f"study {self.study_name}: {failed} of {len(numbers)} trials failed, more than "
+                f"hydra.sweeper.max_failure_rate={self.max_failure_rate:g}"
+            )
+
+    def _id(self, number: int) -> int:
+        """Trial `number`'s id in the storage (Optuna's public BaseStorage API)."""
+        study_id = self.storage.get_study_id_from_name(self.study_name)
+        return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+    def _summary(self, study: optuna.Study) -> None:
         """This command's failed trials, one line each, then the study's best; exit 1 when none completed."""
-        trials = self._trials()
-        failed = [t for t in trials[self.earlier :] if t.state == optuna.trial.TrialState.FAIL]
+        trials = study.get_trials(deepcopy=False)
+        mine = trials[self.earlier :]
+        failed = [t for t in mine if t.state == TrialState.FAIL]
+        pruned = [t for t in mine if t.state == TrialState.PRUNED]
         for trial in failed:
             print(f"trial {trial.number} failed: {trial.user_attrs.get('error', '?')}", file=sys.stderr, flush=True)
-        if not trials:  # an in-memory study (storage null): the plugin logged its best
-            return
-        ran = len(trials) - self.earlier
-        said = f"study {self.study_name}: {ran} trials ({len(failed)} failed), {len(trials)} in all"
-        if not (done := self._completed()):
+        said = f"study {self.study_name}: {len(mine)} trials ({len(failed)} failed, {len(pruned)} pruned), "
+        said += f"{len(trials)} in all"
+        done = [t for t in trials if t.state == TrialState.COMPLETE]
+        if not done:
             print(f"error: {said}; no trial completed", file=sys.stderr, flush=True)
             raise SystemExit(1)
-        best = (max if self.direction == "maximize" else min)(done, key=lambda t: t.value)
+        best = study.best_trial
         params = " ".join(f"{k}={v}" for k, v in best.params.items())
         print(f"{said}; best trial {best.number}: {best.value:.6g} with {params}", flush=True)
-
-
-class _Trials(Launcher):
-    """Rank 0's launcher: hands each batch to the other ranks (lockstep), launches it, and turns a failed
-    job, a NaN or a missing objective into a failed JobReturn carrying its one line, which the plugin
-    records as a FAIL trial (and the trial keeps the line as its user attribute "error")."""
-
-    def __init__(self, launcher: Launcher, study: Study):
-        self.launcher, self.study = launcher, study
-
-    def setup(self, **kwargs: Any) -> None:
-        self.launcher.setup(**kwargs)
-
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        if self.study.lockstep is not None:
-            self.study.lockstep.publish({"job_idx": initial_job_idx, "overrides": [list(o) for o in job_overrides]})
-        returns = self.launcher.launch(job_overrides, initial_job_idx=initial_job_idx)
-        for n, (trial, ret) in enumerate(zip(self.study.pending, returns, strict=True)):
-            if (error := outcome(ret, Path(self.study.sweep_dir) / str(initial_job_idx + n))) is not None:
-                trial.set_user_attr("error", error)
-                ret.status, ret._return_value = JobStatus.FAILED, TrialFailed(error)
-        return returns

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/report.py outputs/2025-06-01/12-00-00     # a run dir: a one-row report
 
 Writes report.md (one row per job) and report.png (loss against step and against samples seen,
-val/acc against step, throughput per job) into that dir. Reads only what the runs wrote, so it
+the monitored evaluation (best/<key> in its rows: val/acc, val/r2, ...) against step, throughput per job)
+into that dir. Reads only what the runs wrote, so it
 also works while a sweep is running: a job with no metrics yet, or a half-written last line,
 is reported as far as it got. Exit status 2 when the dir holds no runs.
 
@@ -195,31 +196,42 @@ def mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def summary(job: Job) -> dict[str, float | None]:
-    accs = [a for a in values(job, "val/acc") if not math.isnan(a)]
+def metric(jobs: list[Job]) -> str:
+    """The evaluation key the table and plot follow: the jobs' monitored one (their rows' best/<key>), else the
+    first val/ metric besides the loss, else val/loss. Its direction is the run's own (best/<key>): never guessed."""
+    keys = [k for job in jobs for row in job.rows for k in row]
+    monitored = [k.removeprefix("best/") for k in keys if k.startswith("best/") and k != "best/step"]
+    evaluated = [k for k in keys if k.startswith("val/") and k != "val/loss"]
+    return (monitored or evaluated or ["val/loss"])[0]
+
+
+def summary(job: Job, key: str) -> dict[str, float | None]:
+    finals = [v for v in values(job, key) if not math.isnan(v)]
     losses = values(job, "loss")
+    test = "test/" + key.split("/", 1)[1]
     return {
         "steps": job.rows[-1]["step"] if job.rows else None,
         "final loss": losses[-1] if losses else None,
-        "best val/acc": max(accs) if accs else None,
-        "final val/acc": values(job, "val/acc")[-1] if accs else None,
-        "test/acc": (values(job, "test/acc") or [None])[-1],
+        f"best {key}": (values(job, f"best/{key}") or [None])[-1],
+        f"final {key}": values(job, key)[-1] if finals else None,
+        test: (values(job, test) or [None])[-1],
         "samples/s": mean(values(job, "samples_per_s")),
         "syncs/step": mean(values(job, "comm/grad_syncs")),
         "time": job.wall_s,
     }
 
 
-FORMATS: dict[str, str | None] = {
-    "steps": "{:.0f}",
-    "final loss": "{:.4f}",
-    "best val/acc": "{:.4f}",
-    "final val/acc": "{:.4f}",
-    "test/acc": "{:.4f}",
-    "samples/s": "{:.0f}",
-    "syncs/step": "{:.2f}",
-    "time": None,  # see duration
-}
+def formats(key: str) -> dict[str, str | None]:
+    test = "test/" + key.split("/", 1)[1]
+    numbers = {f"best {key}": "{:.4f}", f"final {key}": "{:.4f}", test: "{:.4f}"}
+    return (
+        {"steps": "{:.0f}", "final loss": "{:.4f}"}
+        | numbers
+        | {"samples/s": "{:.0f}", "syncs/step": "{:.2f}"}
+        | {
+            "time": None  # see duration
+        }
+    )
 
 
 def duration(seconds: float) -> str:
@@ -236,15 +248,17 @@ def cell(value: float | None, spec: str | None) -> str:
 
 
 def markdown(root: Path, jobs: list[Job], common: list[str], study: Study | None = None) -> str:
-    header = ["job", "overrides", "status", *FORMATS]
+    key = metric(jobs)
+    columns = formats(key)
+    header = ["job", "overrides", "status", *columns]
     lines = [
         f"# Report: {root}",
         "",
         f"{len(jobs)} job(s)" + (f"; every job has: `{' '.join(common)}`" if common else "") + ".",
         "",
         "- final loss: the last logged training loss (a mean over its log interval).",
-        "- best / final val/acc: the highest and the last evaluation.",
-        "- test/acc: the test pass at the end of the run (trainer.test), once on the test split.",
+        f"- best / final {key}: the run's best (checkpoint.monitor, its task's direction) and its last evaluation.",
+        f"- test/{key.split('/', 1)[1]}: the test pass at the end of the run (trainer.test), once on the test split.",
         "- samples/s: the mean of the rows' samples_per_s (each over its log interval, training time only).",
         "- syncs/step: the mean of comm/grad_syncs (gradient all-reduces per optimizer step; 0 in a single process).",
         "- time: from .hydra/config.yaml (written as training starts, or resumes) to the last metrics row.",
@@ -255,9 +269,9 @@ def markdown(root: Path, jobs: list[Job], common: list[str], study: Study | None
         "|" + "---|" * len(header),
     ]
     for job in jobs:
-        numbers = summary(job)
+        numbers = summary(job, key)
         cells = [job.name, label(job, common).replace("|", "\\|"), job.status]
-        lines.append("| " + " | ".join(cells + [cell(numbers[k], f) for k, f in FORMATS.items()]) + " |")
+        lines.append("| " + " | ".join(cells + [cell(numbers[k], f) for k, f in columns.items()]) + " |")
     if failed := [job for job in jobs if job.status == "failed"]:
         lines += ["", "Failed jobs:", ""] + [f"- {job.name}: {job.error}" for job in failed]
     if study is not None:
@@ -270,19 +284,20 @@ def plot(jobs: list[Job], common: list[str], path: Path, study: Study | None = N
     (by_step, by_samples), (acc, speed) = axes[0], axes[1]
     if study is not None:
         history(study, fig, axes[2])
+    key = metric(jobs)
     for i, job in enumerate(jobs):
         style = {"color": f"C{i}", "marker": ".", "label": f"{job.name}: {label(job, common)}"}
         train = [r for r in job.rows if "loss" in r]  # "samples": seen so far (cumulative), all ranks
         by_step.plot([r["step"] for r in train], [r["loss"] for r in train], **style)
         by_samples.plot([r["samples"] for r in train], [r["loss"] for r in train], **style)
-        evals = [r for r in job.rows if "val/acc" in r]
-        acc.plot([r["step"] for r in evals], [r["val/acc"] for r in evals], **style)
-    throughput = [summary(j)["samples/s"] or 0.0 for j in jobs]
+        evals = [r for r in job.rows if key in r]
+        acc.plot([r["step"] for r in evals], [r[key] for r in evals], **style)
+    throughput = [summary(j, key)["samples/s"] or 0.0 for j in jobs]
     speed.bar([j.name for j in jobs], throughput, color=[f"C{i}" for i in range(len(jobs))])
     for ax, title, xlabel, ylabel in [
         (by_step, "training loss", "optimizer step", "loss"),
         (by_samples, "training loss", "samples seen", "loss"),
-        (acc, "validation accuracy", "optimizer step", "val/acc"),
+        (acc, f"evaluation: {key}", "optimizer step", key),
         (speed, "throughput (mean of rows)", "job", "samples/s"),
     ]:
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)

@@ -118,7 +118,8 @@ def train_row(step: int, loss: float, **extra) -> dict:
 
 def test_a_running_sweep_is_reported_as_far_as_each_job_got(tmp_path, capsys):
     sweep = tmp_path / "multirun"
-    write_job(sweep / "0", ["optim.lr=0.1"], [train_row(2, 2.0, **{"val/acc": 0.5}), train_row(4, 1.5)], finished=True)
+    first = train_row(2, 2.0, **{"val/acc": 0.5, "best/val/acc": 0.5, "best/step": 2})
+    write_job(sweep / "0", ["optim.lr=0.1"], [first, train_row(4, 1.5)], finished=True)
     # Still running: no evaluation yet, a NaN loss, the last line half written.
     write_job(sweep / "1", ["optim.lr=1.0"], [train_row(2, 2.5), train_row(4, float("nan"))], tail='{"step": 6, "lo')
     (sweep / "2").mkdir()  # started, nothing written yet

@@ -49,10 +49,13 @@ EVAL_EVERY = "trainer.eval_every"  # the study's user attribute under a pruner: 
 
 def objective(cfg: DictConfig) -> tuple[str, str]:
     """(the objective's key, maximize | minimize): checkpoint.monitor (auto: the task's) and its
-    checkpoint.mode; no monitor: the last val/acc, maximised. train.py returns the run's best value."""
+    checkpoint.mode; no monitor: the last value of the task's own key, its declared way. train.py returns the
+    run's best value (else that last value)."""
     task = instantiate(cfg.task)
     monitor, mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, cfg.trainer.ema.decay is not None)
-    return (monitor, DIRECTIONS[mode]) if monitor else ("val/acc", "maximize")
+    if monitor is None:
+        monitor, mode = monitored("auto", "auto", task)
+    return str(monitor), DIRECTIONS[mode]
 
 
 def outcome(ret: JobReturn, job_dir: Path) -> str | None:

@@ -254,6 +254,8 @@ def test_a_nan_or_missing_objective_is_a_failed_trial_with_its_reason(tmp_path):
         (("checkpoint.monitor=val/loss", "checkpoint.mode=max"), ("val/loss", "maximize")),
         (("checkpoint.monitor=null",), ("val/acc", "maximize")),  # train.py returns the last val/acc
         (("+experiment=pydoc_gpt",), ("val/loss", "minimize")),
+        (("data=diabetes", "checkpoint.monitor=null"), ("val/r2", "maximize")),  # the task's key, its declared way
+        (("data=diabetes", "checkpoint.monitor=val/rmse"), ("val/rmse", "minimize")),
     ],
 )
 def test_the_direction_follows_checkpoint_mode(overrides, expected):
@@ -414,3 +416,12 @@ def test_a_journal_storage_is_a_path_ending_in_log(tmp_path):
     optuna.create_study(storage=storage, study_name="s").optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     assert len(studies.load("s", str(tmp_path / "study.log")).trials) == 2
     assert studies.storage(f"sqlite:///{tmp_path / 'study.db'}").__class__.__name__ != "JournalStorage"
+
+
+def test_a_search_overlay_s_keys_win_over_train_yaml_and_lose_to_the_command_line(tmp_path):
+    """hparams_search comes after _self_ in train.yaml's defaults: an overlay's trainer.* keys take effect."""
+    (tmp_path / "hparams_search").mkdir()
+    (tmp_path / "hparams_search" / "probe.yaml").write_text("# @package _global_\ntrainer:\n  eval_every: 7\n")
+    path = f"hydra.searchpath=[file://{tmp_path}]"
+    assert compose_cfg(path, "hparams_search=probe").trainer.eval_every == 7
+    assert compose_cfg(path, "hparams_search=probe", "trainer.eval_every=3").trainer.eval_every == 3

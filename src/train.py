@@ -94,6 +94,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     meter = TrainMeter(d, comm, task.items_name)
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
+    selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
@@ -271,10 +272,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             val = evaluation()
             val_batches.check()
         # model.pt (the last weights), model_ema.pt, model_best.pt; from here on the evaluated weights are the best's
-        wrote = checkpointer.write_weights(unwrap(model), ema, selection.best_step, run_dir)
+        wrote = checkpointer.write_weights(unwrap(model), ema, selected, selection.best_step, run_dir)
         test = {}
         if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
-            with ema.applied(unwrap(model)):  # the weights the evaluations used: best, else last
+            with selected.applied(unwrap(model)):  # the weights the monitor measured: best, else last
                 test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")
             test_batches.check()
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)

@@ -36,13 +36,13 @@ ONE, TWO = "data.batch_size=16", "data.batch_size=8"
 ATOL = 1e-5
 
 
-def evaluations(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["val/acc"]) for r in rows(run_dir) if "val/acc" in r]
+def evaluations(run_dir: Path, key: str = "val/acc") -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows(run_dir) if key in r]
 
 
-def expected_best(run_dir: Path) -> tuple[int, float]:
-    """The first step of the highest val/acc in the rows: the rule, computed here on its own."""
-    evals = evaluations(run_dir)
+def expected_best(run_dir: Path, key: str = "val/acc") -> tuple[int, float]:
+    """The first step of the highest `key` in the rows: the rule, computed here on its own."""
+    evals = evaluations(run_dir, key)
     value = max(v for _, v in evals)
     return next(s for s, v in evals if v == value), value
 
@@ -231,33 +231,39 @@ def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(tmp
     assert max_diff(best["a"], ema) > 0  # the best step's average, not the last
 
 
-@pytest.mark.parametrize("ema", ["null", 0.5])
-def test_the_test_pass_evaluates_the_best_weights_not_the_last(tmp_path, ema):
-    """model_best.pt holds the weights the best evaluation evaluated (with trainer.ema.decay the
-    average's: that step's checkpoint's EMA), and the test row is theirs."""
+@pytest.mark.parametrize(("ema", "monitor"), [("null", "val/acc"), (0.5, "val/acc"), (0.5, "val_raw/acc")])
+def test_the_best_weights_are_those_the_monitor_measured_and_the_test_pass_evaluates_them(tmp_path, ema, monitor):
+    """model_best.pt holds the weights the best evaluation measured (with trainer.ema.decay: val/* the
+    average's, that step's checkpoint's EMA; val_raw/* the live weights'): on the val split they give the
+    best value (eval.py weights=best split=val), which train.py returns, not the last; the test row is theirs."""
+    import train
     from hydra.utils import instantiate
 
     run = tmp_path / "run"
     overrides = [o for o in RUN if not o.startswith(("trainer.test", "data.splits.test", "trainer.max_steps"))]
     # digits with its test split: the best step lies mid-run here; a checkpoint at every evaluation
     overrides += ["trainer.max_steps=44", ONE, f"trainer.ema.decay={ema}", "checkpoint.every=4", "checkpoint.keep=20"]
-    run_in_process(run, *overrides)
-    best_step, _ = expected_best(run)
-    assert best_step < 44
+    cfg = compose_cfg(*overrides, f"checkpoint.monitor={monitor}")
+    objective = train.run(cfg, run)
+    best_step, best_value = expected_best(run, monitor)
+    assert best_step < 44 and evaluations(run, monitor)[-1][1] != best_value  # the last evaluation is not the best
+    assert objective == best_value  # a sweeper's objective: the best monitored value
     best = torch.load(run / "model_best.pt", weights_only=True)
     at_best = checkpoint_at(run / "checkpoints" / f"step_{best_step:08d}.pt")
-    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if ema != "null" else at_best["model"]
-    assert_equal(dict(best), dict(evaluated), "model_best.pt = the weights evaluated at the best step")
+    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if monitor == "val/acc" and ema != "null" else {}
+    assert_equal(dict(best), dict(evaluated or at_best["model"]), "model_best.pt = the weights measured at the best step")
     row = final_test_row(run)
-    cfg = compose_cfg(*overrides)
-    x, y = instantiate(cfg.data.splits)[2].tensors
+    splits = instantiate(cfg.data.splits)
     measured = {}
     for name in ("model_best.pt", "model.pt"):
         model = instantiate(cfg.model)
         model.load_state_dict(torch.load(run / name, weights_only=True))
-        with torch.no_grad():
-            logits = model.eval()(x)
-        measured[name] = (F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item())
-    assert measured["model_best.pt"] != measured["model.pt"]  # the check below can tell them apart
-    assert row["test/acc"] == measured["model_best.pt"][1]
-    assert row["test/loss"] == pytest.approx(measured["model_best.pt"][0], rel=1e-6)  # float32 sums in other orders
+        for split, (x, y) in (("val", splits[1].tensors), ("test", splits[2].tensors)):
+            with torch.no_grad():
+                logits = model.eval()(x)
+            accuracy = (logits.argmax(1) == y).double().mean().item()
+            measured[name, split] = (F.cross_entropy(logits, y).item(), accuracy)
+    assert measured["model_best.pt", "val"][1] == best_value  # what eval.py weights=best split=val says
+    assert measured["model_best.pt", "test"] != measured["model.pt", "test"]  # the check below can tell them apart
+    assert row["test/acc"] == measured["model_best.pt", "test"][1]
+    assert row["test/loss"] == pytest.approx(measured["model_best.pt", "test"][0], rel=1e-6)  # float32 sums, other orders

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from helpers import ROOT, _env, compose_cfg, rows, run_in_process, run_train, weights
 from trainkit import config, stop
 from trainkit.config import ConfigError
+from trainkit.dist import Dist
 
 # The default job (digits, mlp), long enough that a signal sent after its first rows lands mid-run: a stop
 # comes at the ranks' next check, at most a quarter second of training later (stop.PERIOD): some 80 steps here.
@@ -85,6 +87,26 @@ def test_max_time_takes_durations_with_their_unit_and_refuses_anything_else_in_o
     for bad in ("90", "3h50", "0s", "soon", "-5m", "1:2"):  # a bare 90: SLURM reads minutes, Python seconds
         with pytest.raises(ConfigError, match=rf"^trainer.max_time={re.escape(bad)} is not a positive duration "):
             config.check(compose_cfg(f"trainer.max_time='{bad}'"))
+
+
+def test_a_signal_ignored_before_the_run_stays_ignored_and_the_others_stop_it():
+    """A wrapper (nohup, a job script's trap '' USR1) ignored SIGUSR1 on purpose: the Stopper leaves it
+    ignored; SIGTERM still stops the run. Every handler is as before afterwards."""
+    assert threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    before = {sig: signal.getsignal(sig) for sig in stop.SIGNALS}
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with stop.Stopper(None, Dist(0, 0, 1, torch.device("cpu"))) as stopper:
+            assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stopper.due() is None  # ignored: the run goes on
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stopper.due() == "SIGTERM"
+        stopper.restore()  # what exit_stopped does after the stop's line
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:

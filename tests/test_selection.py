@@ -3,6 +3,7 @@ resume (also under FSDP, also on another world size), and a best checkpoint that
 rotation never deletes."""
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,10 @@ def test_the_rule_nan_is_never_best_a_tie_keeps_the_earlier_and_min_delta_counts
     assert "starts anew" in other.load_state_dict(best.state_dict()) and other.best is None
     lowest = Selection("val/loss", "min", patience=None, min_delta=0.0)
     assert [lowest.update({"val/loss": v}, s) for s, v in enumerate([2.0, 1.0, 1.5], 1)] == [True, True, False]
+    # min_delta when lower is better: 0.97 improves on 1.0 by less than 0.05, 0.90 by more; 0.88 not on 0.90
+    lower = Selection("val/loss", "min", patience=3, min_delta=0.05)
+    waited = [(lower.update({"val/loss": v}, s), lower.waited)[1] for s, v in enumerate([1.0, 0.97, 0.9, 0.93, 0.88], 1)]
+    assert waited == [0, 1, 0, 1, 2] and (lower.best, lower.best_step) == (0.88, 5) and not lower.stopped
     with pytest.raises(ConfigError, match="checkpoint.monitor=val/loss is not a metric of this run's evaluation"):
         lowest.update({"val/acc": 1.0}, 4)
 
@@ -205,6 +210,22 @@ def test_early_stopping_stops_every_rank_at_one_step_and_a_resume_stops_there_to
     out = run_in_process(two, *stopping, TWO, nproc=2)
     assert f"nothing to train: {two / 'checkpoints' / f'step_{stop_step:08d}.pt'} stopped early" in out
     assert rows(two) == before
+
+
+def test_early_stopping_counts_across_an_epoch_boundary_and_ends_the_run_not_only_its_epoch(tmp_path):
+    """6 steps an epoch (a global batch of 256 of digits' 1438 images): patience 2 counts the evaluations
+    after the best one across the end of an epoch, and the stop ends the run: no later epoch trains a step."""
+    kept = ("optim", "sched", "trainer.test", "data.splits")
+    stopping = [o for o in RUN if o.startswith(kept)] + ["accumulation.global_batch_size=256", "data.batch_size=256"]
+    stopping += ["trainer.eval_every=2", "trainer.log_every=2", "trainer.max_steps=60", "checkpoint.every=0"]
+    out = run_in_process(tmp_path, *stopping, "trainer.early_stopping.patience=2")
+    stop_step = int(re.search(r"stopped early at step (\d+)", out)[1])  # type: ignore[index]
+    assert stop_step < 60 and rows(tmp_path)[-1]["step"] == stop_step  # nothing trained after the stop
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", f"step_{stop_step:08d}.pt"]
+    best_step, _ = expected_best(tmp_path)
+    after = [(r["step"], r["epoch"]) for r in rows(tmp_path) if "val/acc" in r and r["step"] > best_step]
+    assert [step for step, _ in after] == [best_step + 2, stop_step]  # the rule: two evaluations without a new best
+    assert math.floor(after[0][1] - 1e-9) < math.floor(after[1][1])  # an epoch ended between them (6 steps each)
 
 
 @pytest.mark.slow

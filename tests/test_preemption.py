@@ -108,6 +108,27 @@ def test_a_signal_ignored_before_the_run_stays_ignored_and_the_others_stop_it():
             signal.signal(sig, handler)
 
 
+@pytest.mark.slow
+def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line_with_its_status(tmp_path):
+    # SIGUSR1 as soon as Hydra made the run dir (the loop's Stopper is not there yet): nothing to checkpoint,
+    # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback.
+    early, interrupted = tmp_path / "early", tmp_path / "interrupted"
+    starting = start(f"hydra.run.dir={early}", *RUN)
+    running = start(f"hydra.run.dir={interrupted}", *RUN)
+    while not early.is_dir():
+        assert starting.poll() is None, starting.communicate()
+        time.sleep(0.005)
+    starting.send_signal(signal.SIGUSR1)
+    wait_for_rows(running, interrupted / "metrics.jsonl")
+    running.send_signal(signal.SIGINT)
+    (_, early_err), (_, interrupted_err) = finish(starting), finish(running)
+    assert starting.returncode == 128 + signal.SIGUSR1, early_err
+    assert early_err == "stopped by SIGUSR1 during start-up, before any step; the same command starts it again\n"
+    assert not early.exists()
+    assert running.returncode == 128 + signal.SIGINT, interrupted_err
+    assert interrupted_err == f"error: {config.INTERRUPTED}\n"
+
+
 def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
     """model._target_=test_preemption.signalling_mlp: the mlp (the same weights, the same state_dict keys);
     rank `rank` sends itself `signum` before its `at_forward`-th training forward, once (`marker`)."""

@@ -68,7 +68,8 @@ def test_the_rule_nan_is_never_best_a_tie_keeps_the_earlier_and_min_delta_counts
     assert [lowest.update({"val/loss": v}, s) for s, v in enumerate([2.0, 1.0, 1.5], 1)] == [True, True, False]
     # min_delta when lower is better: 0.97 improves on 1.0 by less than 0.05, 0.90 by more; 0.88 not on 0.90
     lower = Selection("val/loss", "min", patience=3, min_delta=0.05)
-    waited = [(lower.update({"val/loss": v}, s), lower.waited)[1] for s, v in enumerate([1.0, 0.97, 0.9, 0.93, 0.88], 1)]
+    values = [1.0, 0.97, 0.9, 0.93, 0.88]
+    waited = [(lower.update({"val/loss": v}, s), lower.waited)[1] for s, v in enumerate(values, 1)]
     assert waited == [0, 1, 0, 1, 2] and (lower.best, lower.best_step) == (0.88, 5) and not lower.stopped
     with pytest.raises(ConfigError, match="checkpoint.monitor=val/loss is not a metric of this run's evaluation"):
         lowest.update({"val/acc": 1.0}, 4)
@@ -257,8 +258,9 @@ def test_the_best_weights_are_those_the_monitor_measured_and_the_test_pass_evalu
     """model_best.pt holds the weights the best evaluation measured (with trainer.ema.decay: val/* the
     average's, that step's checkpoint's EMA; val_raw/* the live weights'): on the val split they give the
     best value (eval.py weights=best split=val), which train.py returns, not the last; the test row is theirs."""
-    import train
     from hydra.utils import instantiate
+
+    import train
 
     run = tmp_path / "run"
     overrides = [o for o in RUN if not o.startswith(("trainer.test", "data.splits.test", "trainer.max_steps"))]
@@ -271,8 +273,9 @@ def test_the_best_weights_are_those_the_monitor_measured_and_the_test_pass_evalu
     assert objective == best_value  # a sweeper's objective: the best monitored value
     best = torch.load(run / "model_best.pt", weights_only=True)
     at_best = checkpoint_at(run / "checkpoints" / f"step_{best_step:08d}.pt")
-    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if monitor == "val/acc" and ema != "null" else {}
-    assert_equal(dict(best), dict(evaluated or at_best["model"]), "model_best.pt = the weights measured at the best step")
+    averaged = monitor == "val/acc" and ema != "null"
+    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if averaged else at_best["model"]
+    assert_equal(dict(best), dict(evaluated), "model_best.pt = the weights measured at the best step")
     row = final_test_row(run)
     splits = instantiate(cfg.data.splits)
     measured = {}
@@ -287,4 +290,4 @@ def test_the_best_weights_are_those_the_monitor_measured_and_the_test_pass_evalu
     assert measured["model_best.pt", "val"][1] == best_value  # what eval.py weights=best split=val says
     assert measured["model_best.pt", "test"] != measured["model.pt", "test"]  # the check below can tell them apart
     assert row["test/acc"] == measured["model_best.pt", "test"][1]
-    assert row["test/loss"] == pytest.approx(measured["model_best.pt", "test"][0], rel=1e-6)  # float32 sums, other orders
+    assert row["test/loss"] == pytest.approx(measured["model_best.pt", "test"][0], rel=1e-6)  # float32, other orders

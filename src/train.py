@@ -86,15 +86,15 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
-    precision = cfg.trainer.precision
-    autocast = autocast_for(precision, d.device)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=precision == "fp16")
+    autocast = autocast_for(cfg.trainer.precision, d.device)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
+    selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
@@ -136,7 +136,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     d.print0(
         f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
         f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
-        f"precision={precision}\n"
+        f"precision={cfg.trainer.precision}\n"
         f"global batch {layout.global_batch} = {d.world_size} ranks x {auto.batch_size} micro-batch "
         f"x {auto.K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
@@ -278,10 +278,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             val = evaluation()
             val_batches.check()
         # model.pt (the last weights), model_ema.pt, model_best.pt; from here on the evaluated weights are the best's
-        wrote = checkpointer.write_weights(unwrap(model), ema, selection.best_step, run_dir)
+        wrote = checkpointer.write_weights(unwrap(model), ema, selected, selection.best_step, run_dir)
         test = {}
         if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
-            with ema.applied(unwrap(model)):  # the weights the evaluations used: best, else last
+            with selected.applied(unwrap(model)):  # the weights the monitor measured: best, else last
                 test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")
             test_batches.check()
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
@@ -312,7 +312,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return objective
     except Stopped as stopped:  # a signal or trainer.max_time, after the checkpoint of its step: not a failure
-        stop.exit_stopped(stopped)
+        stop.exit_stopped(stopped, run_dir)  # self-launched workers stopped in their start-up: no empty run dir
     except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
         if sweep:
             config.record_failure(run_dir, failed.error, sweep)

@@ -72,6 +72,12 @@ def _fsdp_update_without_a_process_group(rank, world_size):
     model, _ = wrap(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)), "fsdp", d, shard_units=[])
     params = list(model.parameters())
     ema = EMA(model, DECAY, d)
+    layout = [  # before anything uses the average: an unsharded one would fail there, not here
+        isinstance(a, DTensor) and a.placements == p.placements and a.device_mesh == p.device_mesh
+        for a, p in zip(ema.average.values(), params, strict=True)
+    ]
+    if not all(layout):
+        return {"layout": layout}
     optimizer = torch.optim.SGD(params, lr=0.5)
     model(torch.randn(4, 6) + rank).sum().backward()
     optimizer.step()
@@ -89,10 +95,6 @@ def _fsdp_update_without_a_process_group(rank, world_size):
         "live after": torch.equal(after_out, live_out),
         "differ": not torch.allclose(ema_out, live_out),
     }
-    layout = [
-        isinstance(a, DTensor) and a.placements == p.placements and a.device_mesh == p.device_mesh
-        for a, p in zip(ema.average.values(), params, strict=True)
-    ]
     before = [a.to_local().clone() for a in ema.average.values()]
     live = [p.to_local().clone() for p in params]
     dist.destroy_process_group()  # a collective from here on raises: the update must need none
@@ -115,7 +117,7 @@ def _fsdp_update_without_a_process_group(rank, world_size):
 def test_fsdp_keeps_the_average_on_each_ranks_shards_and_updates_it_without_communication():
     ranks = run_distributed(_fsdp_update_without_a_process_group, 2)
     for result in ranks:
-        assert all(result["layout"]), result  # DTensors of the parameters' mesh and placements
+        assert all(result["layout"]), result  # DTensors of the parameters' mesh and placements, checked first
         assert all(result["forwards"].values()), result  # a forward under applied() uses the average, then the live
         assert all(result["update"]) and all(result["swapped"]) and all(result["restored"]), result
     # Each rank's own shards (dim 0 split as torch.chunk does: the last layer's 3 rows as 2 + 1).
@@ -292,6 +294,15 @@ def test_fsdp_resumes_the_average_on_another_world_size_through_dcp(fsdp, tmp_pa
     print(f"max |model_ema.pt resumed on 1 rank - 2 ranks| = {diff:.2e}")
     assert diff < 1e-5  # SGD: rounding alone, as above
     assert [r["val/acc"] for r in rows(tmp_path)] == [r["val/acc"] for r in rows(fsdp)][1:]
+
+
+def test_fsdp_resumes_the_saved_average_itself(fsdp, tmp_path):
+    """Resumed on 1 rank from the 2-rank run's last step (nothing left to train): model_ema.pt is the saved
+    average, its shards gathered, bit for bit (an average ignored, or started anew from the resumed
+    weights, would be other weights)."""
+    step_10 = fsdp / "checkpoints" / "step_00000010"
+    run_in_process(tmp_path, *RUN, "parallel=fsdp", "data.batch_size=32", f"checkpoint.resume={step_10}", torchrun=True)
+    assert_equal(ema_weights(tmp_path), ema_weights(fsdp), "the resumed average")
 
 
 def test_predict_weights_ema_predicts_with_the_average(single, tmp_path):

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, _env, compose_cfg, faulty, max_diff, rows, run_in_process, run_train, weights
+from helpers import ROOT, _env, compose_cfg, faulty, final_test_row, max_diff, rows, run_in_process, run_train, weights
 from trainkit import config
 from trainkit.config import ConfigError
 
@@ -37,10 +38,16 @@ def session(pid: int) -> list[int]:
     return members
 
 
-def start_train(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start_train(run_dir: Path, *overrides: str, **env: str) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "src/train.py"), f"hydra.run.dir={run_dir}", *overrides]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=_env() | env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -162,6 +169,41 @@ def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_
     out, err = ended(long, timeout=60)
     assert long.returncode == 128 + signal.SIGTERM
     assert re.fullmatch(r"stopped by SIGTERM at step \d+; checkpoint written; the same command resumes\n", err), err
+
+
+def slow_test_pass_mlp(model_pt: str, started: str, **mlp_args) -> torch.nn.Module:
+    """model._target_=test_launch.slow_test_pass_mlp: the mlp, whose evaluation forwards once `model_pt`
+    exists (the final test pass: model.pt is written just before it) touch `started` and take 0.2 s each."""
+    from trainkit.models import mlp
+
+    def slowly(module, args):
+        if not module.training and Path(model_pt).exists():
+            Path(started).touch()
+            time.sleep(0.2)
+
+    model = mlp(**mlp_args)
+    model.register_forward_pre_hook(slowly)
+    return model
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_final_test_pass_lets_the_workers_finish_and_the_run_ends_finished(tmp_path):
+    # SIGTERM to the parent once the workers' test pass runs (6 batches of 32 on each rank, 1.2 s): it
+    # comes after the last step, so the workers finish: test row, model.pt, model_best.pt, exit 0. The
+    # agent would end them (SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT: here at once); it never gets it.
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    model = ["model._target_=test_launch.slow_test_pass_mlp", f"+model.model_pt={run_dir / 'model.pt'}"]
+    model += [f"+model.started={started}", "data.batch_size=32", "trainer.max_steps=4"]
+    proc = start_train(run_dir, "parallel.nproc_per_node=2", *model, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="0")
+    while not started.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = ended(proc, timeout=60)
+    assert proc.returncode == 0, out + err
+    assert "SIGTERM came after the last step: the run finished first (nothing to resume)" in out and not err
+    assert "done: 4 steps" in out and final_test_row(run_dir)["step"] == 4
+    assert (run_dir / "model.pt").is_file() and (run_dir / "model_best.pt").is_file()
 
 
 @pytest.mark.slow

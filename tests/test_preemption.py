@@ -8,16 +8,17 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from helpers import ROOT, _env, compose_cfg, rows, run_in_process, run_train, weights
+from helpers import ROOT, _env, _torchrun_worker, compose_cfg, rows, run_distributed, run_in_process, run_train, weights
 from trainkit import config, stop
 from trainkit.config import ConfigError
+from trainkit.dist import Dist
 
 # The default job (digits, mlp), long enough that a signal sent after its first rows lands mid-run: a stop
 # comes at the ranks' next check, at most a quarter second of training later (stop.PERIOD): some 80 steps here.
@@ -87,6 +88,47 @@ def test_max_time_takes_durations_with_their_unit_and_refuses_anything_else_in_o
             config.check(compose_cfg(f"trainer.max_time='{bad}'"))
 
 
+def test_a_signal_ignored_before_the_run_stays_ignored_and_the_others_stop_it():
+    """A wrapper (nohup, a job script's trap '' USR1) ignored SIGUSR1 on purpose: the Stopper leaves it
+    ignored; SIGTERM still stops the run. Every handler is as before afterwards."""
+    assert threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    before = {sig: signal.getsignal(sig) for sig in stop.SIGNALS}
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with stop.Stopper(None, Dist(0, 0, 1, torch.device("cpu"))) as stopper:
+            assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert stopper.due() is None  # ignored: the run goes on
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stopper.due() == "SIGTERM"
+        stopper.restore()  # what exit_stopped does after the stop's line
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.slow
+def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line_with_its_status(tmp_path):
+    # SIGUSR1 as soon as Hydra made the run dir (the loop's Stopper is not there yet): nothing to checkpoint,
+    # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback.
+    early, interrupted = tmp_path / "early", tmp_path / "interrupted"
+    starting = start(f"hydra.run.dir={early}", *RUN)
+    running = start(f"hydra.run.dir={interrupted}", *RUN)
+    while not early.is_dir():
+        assert starting.poll() is None, starting.communicate()
+        time.sleep(0.005)
+    starting.send_signal(signal.SIGUSR1)
+    wait_for_rows(running, interrupted / "metrics.jsonl")
+    running.send_signal(signal.SIGINT)
+    (_, early_err), (_, interrupted_err) = finish(starting), finish(running)
+    assert starting.returncode == 128 + signal.SIGUSR1, early_err
+    assert early_err == "stopped by SIGUSR1 during start-up, before any step; the same command starts it again\n"
+    assert not early.exists()
+    assert running.returncode == 128 + signal.SIGINT, interrupted_err
+    assert interrupted_err == f"error: {config.INTERRUPTED}\n"
+
+
 def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
     """model._target_=test_preemption.signalling_mlp: the mlp (the same weights, the same state_dict keys);
     rank `rank` sends itself `signum` before its `at_forward`-th training forward, once (`marker`)."""
@@ -105,6 +147,15 @@ def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_a
     return model
 
 
+def _exit_status(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> int | str | None:
+    """A rank of helpers.run_in_process(nproc=2): the status train.py exits with (SystemExit's code)."""
+    try:
+        _torchrun_worker(rank, world_size, "train", run_dir, overrides)
+    except SystemExit as exited:
+        return exited.code
+    return 0
+
+
 def test_a_signal_that_one_rank_alone_gets_stops_every_rank_after_the_same_step_and_resumes_exactly(
     uninterrupted, tmp_path, capfd
 ):
@@ -117,9 +168,10 @@ def test_a_signal_that_one_rank_alone_gets_stops_every_rank_after_the_same_step_
         f"+model.signum={int(signal.SIGUSR1)}",
         f"+model.marker={tmp_path / 'signalled'}",
     ]
-    with pytest.raises(mp.ProcessExitedException) as ended:
-        run_in_process(tmp_path / "run", *RUN, *model, nproc=2)
-    assert ended.value.exit_code == 128 + signal.SIGUSR1
+    import train  # noqa: F401  once here, not in every forked rank
+
+    codes = run_distributed(_exit_status, 2, str(tmp_path / "run"), (*RUN, *model), group=False)
+    assert codes == [128 + signal.SIGUSR1] * 2  # every rank: the signal's documented status
     err = capfd.readouterr().err
     assert err.count("stopped by") == 1  # rank 0 alone
     step = stopped_at(err, "SIGUSR1")

@@ -3,6 +3,7 @@ resume (also under FSDP, also on another world size), and a best checkpoint that
 rotation never deletes."""
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -36,13 +37,13 @@ ONE, TWO = "data.batch_size=16", "data.batch_size=8"
 ATOL = 1e-5
 
 
-def evaluations(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["val/acc"]) for r in rows(run_dir) if "val/acc" in r]
+def evaluations(run_dir: Path, key: str = "val/acc") -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows(run_dir) if key in r]
 
 
-def expected_best(run_dir: Path) -> tuple[int, float]:
-    """The first step of the highest val/acc in the rows: the rule, computed here on its own."""
-    evals = evaluations(run_dir)
+def expected_best(run_dir: Path, key: str = "val/acc") -> tuple[int, float]:
+    """The first step of the highest `key` in the rows: the rule, computed here on its own."""
+    evals = evaluations(run_dir, key)
     value = max(v for _, v in evals)
     return next(s for s, v in evals if v == value), value
 
@@ -65,6 +66,11 @@ def test_the_rule_nan_is_never_best_a_tie_keeps_the_earlier_and_min_delta_counts
     assert "starts anew" in other.load_state_dict(best.state_dict()) and other.best is None
     lowest = Selection("val/loss", "min", patience=None, min_delta=0.0)
     assert [lowest.update({"val/loss": v}, s) for s, v in enumerate([2.0, 1.0, 1.5], 1)] == [True, True, False]
+    # min_delta when lower is better: 0.97 improves on 1.0 by less than 0.05, 0.90 by more; 0.88 not on 0.90
+    lower = Selection("val/loss", "min", patience=3, min_delta=0.05)
+    values = [1.0, 0.97, 0.9, 0.93, 0.88]
+    waited = [(lower.update({"val/loss": v}, s), lower.waited)[1] for s, v in enumerate(values, 1)]
+    assert waited == [0, 1, 0, 1, 2] and (lower.best, lower.best_step) == (0.88, 5) and not lower.stopped
     with pytest.raises(ConfigError, match="checkpoint.monitor=val/loss is not a metric of this run's evaluation"):
         lowest.update({"val/acc": 1.0}, 4)
 
@@ -207,6 +213,22 @@ def test_early_stopping_stops_every_rank_at_one_step_and_a_resume_stops_there_to
     assert rows(two) == before
 
 
+def test_early_stopping_counts_across_an_epoch_boundary_and_ends_the_run_not_only_its_epoch(tmp_path):
+    """6 steps an epoch (a global batch of 256 of digits' 1438 images): patience 2 counts the evaluations
+    after the best one across the end of an epoch, and the stop ends the run: no later epoch trains a step."""
+    kept = ("optim", "sched", "trainer.test", "data.splits")
+    stopping = [o for o in RUN if o.startswith(kept)] + ["accumulation.global_batch_size=256", "data.batch_size=256"]
+    stopping += ["trainer.eval_every=2", "trainer.log_every=2", "trainer.max_steps=60", "checkpoint.every=0"]
+    out = run_in_process(tmp_path, *stopping, "trainer.early_stopping.patience=2")
+    stop_step = int(re.search(r"stopped early at step (\d+)", out)[1])  # type: ignore[index]
+    assert stop_step < 60 and rows(tmp_path)[-1]["step"] == stop_step  # nothing trained after the stop
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.pt", f"step_{stop_step:08d}.pt"]
+    best_step, _ = expected_best(tmp_path)
+    after = [(r["step"], r["epoch"]) for r in rows(tmp_path) if "val/acc" in r and r["step"] > best_step]
+    assert [step for step, _ in after] == [best_step + 2, stop_step]  # the rule: two evaluations without a new best
+    assert math.floor(after[0][1] - 1e-9) < math.floor(after[1][1])  # an epoch ended between them (6 steps each)
+
+
 @pytest.mark.slow
 def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(tmp_path):
     """FSDP's best is a DCP directory, here with an EMA (its average in the shards); a resume on 1 rank
@@ -231,33 +253,41 @@ def test_fsdp_best_checkpoint_resumes_on_another_world_size_into_another_dir(tmp
     assert max_diff(best["a"], ema) > 0  # the best step's average, not the last
 
 
-@pytest.mark.parametrize("ema", ["null", 0.5])
-def test_the_test_pass_evaluates_the_best_weights_not_the_last(tmp_path, ema):
-    """model_best.pt holds the weights the best evaluation evaluated (with trainer.ema.decay the
-    average's: that step's checkpoint's EMA), and the test row is theirs."""
+@pytest.mark.parametrize(("ema", "monitor"), [("null", "val/acc"), (0.5, "val/acc"), (0.5, "val_raw/acc")])
+def test_the_best_weights_are_those_the_monitor_measured_and_the_test_pass_evaluates_them(tmp_path, ema, monitor):
+    """model_best.pt holds the weights the best evaluation measured (with trainer.ema.decay: val/* the
+    average's, that step's checkpoint's EMA; val_raw/* the live weights'): on the val split they give the
+    best value (eval.py weights=best split=val), which train.py returns, not the last; the test row is theirs."""
     from hydra.utils import instantiate
+
+    import train
 
     run = tmp_path / "run"
     overrides = [o for o in RUN if not o.startswith(("trainer.test", "data.splits.test", "trainer.max_steps"))]
     # digits with its test split: the best step lies mid-run here; a checkpoint at every evaluation
     overrides += ["trainer.max_steps=44", ONE, f"trainer.ema.decay={ema}", "checkpoint.every=4", "checkpoint.keep=20"]
-    run_in_process(run, *overrides)
-    best_step, _ = expected_best(run)
-    assert best_step < 44
+    cfg = compose_cfg(*overrides, f"checkpoint.monitor={monitor}")
+    objective = train.run(cfg, run)
+    best_step, best_value = expected_best(run, monitor)
+    assert best_step < 44 and evaluations(run, monitor)[-1][1] != best_value  # the last evaluation is not the best
+    assert objective == best_value  # a sweeper's objective: the best monitored value
     best = torch.load(run / "model_best.pt", weights_only=True)
     at_best = checkpoint_at(run / "checkpoints" / f"step_{best_step:08d}.pt")
-    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if ema != "null" else at_best["model"]
-    assert_equal(dict(best), dict(evaluated), "model_best.pt = the weights evaluated at the best step")
+    averaged = monitor == "val/acc" and ema != "null"
+    evaluated = at_best["ema"]["params"] | at_best["ema"]["buffers"] if averaged else at_best["model"]
+    assert_equal(dict(best), dict(evaluated), "model_best.pt = the weights measured at the best step")
     row = final_test_row(run)
-    cfg = compose_cfg(*overrides)
-    x, y = instantiate(cfg.data.splits)[2].tensors
+    splits = instantiate(cfg.data.splits)
     measured = {}
     for name in ("model_best.pt", "model.pt"):
         model = instantiate(cfg.model)
         model.load_state_dict(torch.load(run / name, weights_only=True))
-        with torch.no_grad():
-            logits = model.eval()(x)
-        measured[name] = (F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).double().mean().item())
-    assert measured["model_best.pt"] != measured["model.pt"]  # the check below can tell them apart
-    assert row["test/acc"] == measured["model_best.pt"][1]
-    assert row["test/loss"] == pytest.approx(measured["model_best.pt"][0], rel=1e-6)  # float32 sums in other orders
+        for split, (x, y) in (("val", splits[1].tensors), ("test", splits[2].tensors)):
+            with torch.no_grad():
+                logits = model.eval()(x)
+            accuracy = (logits.argmax(1) == y).double().mean().item()
+            measured[name, split] = (F.cross_entropy(logits, y).item(), accuracy)
+    assert measured["model_best.pt", "val"][1] == best_value  # what eval.py weights=best split=val says
+    assert measured["model_best.pt", "test"] != measured["model.pt", "test"]  # the check below can tell them apart
+    assert row["test/acc"] == measured["model_best.pt", "test"][1]
+    assert row["test/loss"] == pytest.approx(measured["model_best.pt", "test"][0], rel=1e-6)  # float32, other orders

@@ -124,10 +124,11 @@ class Checkpointer:
             return None
         return self._read(path)["progress"]["step"]
 
-    def write_weights(self, model, ema, best_step: int | None, run_dir: Path) -> list[Path]:
+    def write_weights(self, model, ema, selected, best_step: int | None, run_dir: Path) -> list[Path]:
         """At the end (every rank calls it; FSDP gathers to rank 0): model.pt, the last weights,
         model_ema.pt with an EMA (before model.pt, which marks a finished run), then model_best.pt
-        (write_best: the model, or the EMA, then holds the best evaluation's weights). The paths written."""
+        (write_best: the model, or the EMA, then holds the best evaluation's weights). `selected`: the
+        EMA whose weights the monitor measured (ema.measured_by; with val_raw/* one that is off). The paths written."""
         final = full_state_dict(model)
         final_ema = ema.full_state_dict(model) if ema.enabled else {}
         if self.d.is_main:
@@ -136,7 +137,7 @@ class Checkpointer:
             torch.save(final, run_dir / "model.pt")
         wrote = [run_dir / name for name in ("model.pt", "model_ema.pt")[: 1 + ema.enabled]]
         if best_step is not None:
-            wrote += self.write_best(model, ema, best_step, run_dir / "model_best.pt")
+            wrote += self.write_best(model, selected, best_step, run_dir / "model_best.pt")
         return wrote
 
     def write_best(self, model, ema, step: int, path: Path) -> list[Path]:

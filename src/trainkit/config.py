@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -432,13 +433,23 @@ def run_cli(main: Callable[[], Any]) -> None:
     """Call a @hydra.main entry point. A config Hydra cannot compose (a value of the wrong type, an
     unknown option or key, a malformed override) or a `_target_` called with arguments it does not
     take ends like config.check's errors: one line on stderr from rank 0, exit status 2.
-    HYDRA_FULL_ERROR=1 shows Hydra's own report with the full traceback instead."""
+    HYDRA_FULL_ERROR=1 shows Hydra's own report with the full traceback instead. A signal before the
+    loop watches for it ends the process in one line with 128 + the signal, as does Ctrl-C (130)."""
+    stop.stop_at_once()  # SIGTERM, SIGUSR1 from here on: one line, not the default action's silent death
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report: we print one line
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C: at once, not at a step boundary (SIGTERM and SIGUSR1 checkpoint first)
+        from hydra.core.hydra_config import HydraConfig
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
+            if HydraConfig.initialized():  # Hydra made the run dir before the task started
+                remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
+        sys.exit(128 + signal.SIGINT)
     except ConfigError as error:  # refused outside a job: e.g. by the sweeper (trainkit.search)
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -450,6 +461,9 @@ def run_cli(main: Callable[[], Any]) -> None:
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+INTERRUPTED = "stopped by SIGINT (Ctrl-C); the steps since the newest checkpoint are lost (SIGTERM checkpoints first)"
 
 
 _WANTED = {  # OmegaConf's type errors -> what the key takes

@@ -107,6 +107,13 @@ class EMA:
             with torch.no_grad():
                 _copy(live, saved)
 
+    def measured_by(self, monitor: str | None) -> "EMA":
+        """The weights `monitor` (checkpoint.monitor) measures, as an EMA for applied() and write_best:
+        this one for val/* (the average), one that is off for val_raw/* (the live weights). The best
+        checkpoint's weights, model_best.pt and the test pass are then the ones the best value measured."""
+        live = self.enabled and monitor is not None and monitor.startswith("val_raw/")
+        return EMA(self.module, None, self.d) if live else self
+
     def full_state_dict(self, module: nn.Module) -> dict:
         """The full, plain state_dict of the weights the evaluation uses (model.pt's keys): the average
         with its buffers (model_ema.pt), or with the EMA off the live weights. A copy, never the live

@@ -44,7 +44,8 @@ def evaluate_averaged(model: torch.nn.Module, ema, loader, d: Dist, autocast, ta
     return metrics
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP2 reads the version counter of the parameters it gathers, which
+# inference tensors lack (an FSDP run resumed at its last step evaluates before any training forward)
 def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     """The task's metrics ({"loss": ..., "acc": ...}; evaluate names them by the split)."""
     was_training = model.training

@@ -9,10 +9,12 @@ as one line, printed here once; `parallel.max_restarts` restarts the group after
 restarted group continues the run (see start).
 """
 
+import contextlib
 import copy
 import ctypes
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -26,15 +28,18 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import DictConfig
 
-from trainkit import dist
+from trainkit import dist, stop
 from trainkit.checkpoint import complete
 from trainkit.errors import WORKER, ConfigError, RunError, Stopped, is_worker
 from trainkit.parallel import resolve_mode
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# Those the elastic agent handles: it ends the workers with the signal it got (SIGUSR1 too: torch's default
-# list lacks it; a worker checkpoints on SIGTERM and SIGUSR1, trainkit/stop.py).
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Those the elastic agent handles: it ends the workers with the signal it got (SIGKILL 30 s later).
+AGENT_ENDS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# Those this process forwards to the workers itself (_forward) and waits: they stop at a step boundary after
+# its checkpoint (trainkit/stop.py), or finish a run that came past its last step. The agent's SIGKILL could
+# cut a long final test pass or the write of model.pt.
+FORWARDED = stop.SIGNALS
 
 
 def start_method() -> str:
@@ -123,11 +128,14 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
     from torch.distributed.launcher.api import elastic_launch
 
     logs = tempfile.mkdtemp(prefix="trainkit-launch-")  # torch's error files; kept only to show a traceback
-    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}  # the agent installs its own: put them back
+    handlers = {sig: signal.getsignal(sig) for sig in (*AGENT_ENDS, *FORWARDED)}  # the agent's, ours: put back
     sys.stdout.flush()  # a forked worker would print what is still buffered here once more
     sys.stderr.flush()
     keep_logs, restarts, this_round = False, cfg.parallel.max_restarts, cfg
+    forwarded: list[int] = []  # the signals this process forwarded: the workers stop (or finish), no restart
     try:
+        for sig in FORWARDED:
+            signal.signal(sig, lambda signum, frame: _forward(signum, frame, forwarded))
         _quiet_agent()
         for restart in range(restarts + 1):
             round_logs = Path(logs) / f"round_{restart}"  # each round's error files apart (_root_cause)
@@ -139,7 +147,7 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
                 keep_logs = keep_logs or cause.traceback  # the line printed names the traceback's file
                 if cause.stopped:  # a signal one worker got alone, or trainer.max_time: checkpointed, not restarted
                     raise Stopped(str(cause.error), cause.code) from None
-                if cause.known or restart == restarts:
+                if cause.known or restart == restarts or forwarded:
                     raise WorkersFailed(cause.error, cause.code) from None
                 print(
                     f"restarting the workers (restart {restart + 1} of {restarts}) after: {cause.error}",
@@ -148,9 +156,7 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
                 )
                 this_round = restarted(cfg, run_dir)
         raise AssertionError("unreachable: the last round returned or raised")
-    except SignalException as stopped:  # SIGTERM / Ctrl-C here: the agent has ended the workers with it
-        if said := _stop_said(Path(logs)):  # they checkpointed at a step boundary (SIGTERM, SIGUSR1): their line
-            raise Stopped(*said) from None
+    except SignalException as stopped:  # Ctrl-C, SIGHUP, SIGQUIT here: the agent has ended the workers with it
         print(f"error: stopped by {stopped.sigval.name}; the workers were ended", file=sys.stderr, flush=True)
         raise SystemExit(128 + stopped.sigval) from None
     finally:
@@ -158,6 +164,18 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
             signal.signal(sig, handler)
         if not keep_logs:
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def _forward(signum: int, frame: Any, forwarded: list[int]) -> None:
+    """SIGTERM, SIGUSR1 to this process: to each worker (its Stopper's flag), then back to waiting for them.
+    Before any worker runs there is nothing to stop at a step boundary: the process stops at once."""
+    workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]  # the agent's processes
+    if not workers:
+        stop.at_once(signum, frame)
+    forwarded.append(signum)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):  # one that exited meanwhile
+            os.kill(pid, signum)
 
 
 def restarted(cfg: DictConfig, run_dir: Path) -> DictConfig:
@@ -201,7 +219,7 @@ def _launch_config(cfg: DictConfig, logs: str):
         start_method=start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=logs),  # error files only: workers print to this console
         local_addr="localhost",  # no lookup of this machine's FQDN
-        signals_to_handle=",".join(sig.name for sig in SIGNALS),  # forwarded to the workers
+        signals_to_handle=",".join(sig.name for sig in AGENT_ENDS),  # it ends the workers with them
         # A NUMA option given skips LaunchConfig's probe, torch.accelerator.is_available(): it calls
         # cuInit, after which CUDA fails in a forked worker. None again: no NUMA binding.
         numa_options=NumaOptions(affinity_mode=AffinityMode.NODE),
@@ -219,8 +237,9 @@ def _worker(entry: Callable[..., Any], cfg: DictConfig, run_dir: Path, job: int,
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # it died before that
             os._exit(1)
-    for sig in SIGNALS:  # a forked worker inherits the agent's handlers: the agent's SIGTERM must end it at once
+    for sig in (*AGENT_ENDS, *FORWARDED):  # a forked worker inherits the agent's handlers and this process's
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    stop.stop_at_once()  # SIGTERM, SIGUSR1 before its loop: its one line to the parent, 128 + the signal
     HydraConfig.instance().cfg = hydra_cfg  # the job's overrides and sweep (.hydra/, W&B), also when spawned
     if start_method() == "fork":  # one intra-op thread: see start_method
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -279,12 +298,3 @@ def _root_cause(failed, logs: Path) -> RootCause:
     error = ConfigError(text) if cause.code == 2 else RunError(text)
     known = cause.ours and cause.kind == 0 and (cause.code in (2, 3) or cause.stopped)
     return RootCause(error, cause.code, traceback, known, cause.stopped)
-
-
-def _stop_said(logs: Path) -> tuple[str, int] | None:
-    """The line and exit status a worker of the last round reported for a stop (trainkit/stop.py), if any."""
-    for path in sorted(logs.glob("round_*/*/attempt_0/*/error.json"), reverse=True):
-        data = json.loads(path.read_text())
-        if data.get("trainkit", {}).get("stopped"):
-            return data["message"]["message"], data["trainkit"]["code"]
-    return None

@@ -13,12 +13,14 @@ budget counts from this process's start: a resumed job gets a budget of its own,
 limit is per job.
 """
 
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import torch
@@ -56,6 +58,63 @@ def seconds(key: str, value: Any) -> float | None:
     return total
 
 
+_FOUND: dict[signal.Signals, Any] = {}  # the handlers trainkit found before its own (submitit's): chained after a stop
+_EXITING: list[Stopped] = []  # exit_stopped is under way: a second signal changes nothing
+
+
+def stop_at_once() -> None:
+    """From the start of the process (config.run_cli, a self-launched worker) until the loop's Stopper
+    takes over, and again after it: SIGTERM, SIGUSR1 (and submitit's signal) end the process with the
+    one line and 128 + the signal (at_once), not with the default action's silent death. A signal
+    ignored on purpose (e.g. by a wrapper) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        return
+    for sig in signals():
+        previous = signal.getsignal(sig)
+        if previous is not signal.SIG_IGN and previous is not at_once:
+            _FOUND[sig] = previous
+            signal.signal(sig, at_once)
+
+
+def at_once(signum: int, frame: Any) -> None:
+    """Before the loop there is no step to finish or checkpoint: the line (a self-launched worker hands it
+    to its parent), no run dir left that Hydra made empty, the signal's previous handler (submitit: requeue),
+    and the exit, now. Not an exception: start-up code that catches one (OmegaConf re-raises them as its
+    own) would turn it into another error; and every rank gets the signal (the launcher forwards it)."""
+    reported = os.environ.get("TORCHELASTIC_ERROR_FILE")  # a self-launched worker's line to its parent
+    if _EXITING or (is_worker() and reported and Path(reported).exists()):
+        return  # the exit under way goes on: a stop's, or a failure's (e.g. of a survivor the agent stops)
+    line = (
+        f"stopped by {signal.Signals(signum).name} during start-up, before any step; the same command starts it again"
+    )
+    if is_worker():
+        report(line, 128 + signum, peer_failed=False, stopped=True)
+    elif dist.env_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+        _remove_if_empty(_hydra_run_dir())
+    with contextlib.suppress(BaseException):  # submitit's SystemExit after its requeue
+        _call(_FOUND.get(signal.Signals(signum)), signum)
+    sys.stdout.flush()
+    os._exit(128 + signum)
+
+
+def _hydra_run_dir() -> Path | None:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def _remove_if_empty(run_dir: Path | None) -> None:
+    with contextlib.suppress(OSError):
+        if run_dir is not None:
+            run_dir.rmdir()  # only when empty: Hydra made it before the task started
+
+
+def _call(handler: Any, signum: int) -> None:
+    if callable(handler):
+        handler(signum, None)
+
+
 def signals() -> tuple[signal.Signals, ...]:
     """SIGTERM, SIGUSR1 and, in a submitit task, submitit's preemption signal (SIGUSR2 unless
     SUBMITIT_PREEMPT_SIGNAL names another); submitit is imported only there."""
@@ -84,6 +143,7 @@ class Stopper:
         self.watchdog = threading.Timer(grace_s, os._exit, (1,))
         self.received = 0  # the first signal's number
         self.stopping = False  # due() said stop: the handlers stay until the process exits
+        self.finished = False  # the last step is done: a signal no longer stops the run, which ends anyway
         self.previous: dict[signal.Signals, Any] = {}
         self.steps, self.next_check, self.checked = 0, 1, time.monotonic()  # steps since the last check
         # The flags stay on the CPU: on NCCL a device flag read each step would wait for the step's kernels.
@@ -104,6 +164,9 @@ class Stopper:
     def __exit__(self, kind, error, traceback) -> None:
         if not self.stopping:  # a stop puts them back as it exits (exit_stopped), after its line
             self.restore()
+        if kind is None and self.received and not self.stopping:  # e.g. during the final evaluation or test pass
+            name = signal.Signals(self.received).name
+            self.d.print0(f"{name} came after the last step: the run finished first (nothing to resume)")
 
     def restore(self) -> None:
         for sig, previous in self.previous.items():
@@ -111,7 +174,7 @@ class Stopper:
         self.previous = {}
 
     def _note(self, signum: int, frame: Any) -> None:
-        if not self.received:
+        if not self.received and not self.finished:  # after the last step nothing may cut the final writes
             self.watchdog = threading.Timer(self.watchdog.interval, os._exit, (128 + signum,))
             self.watchdog.daemon = True
             self.watchdog.start()
@@ -121,6 +184,10 @@ class Stopper:
         """After each optimizer step, on every rank: why every rank stops after this step (a signal's
         name, `trainer.max_time=...`), the same on all of them, or None. `last`: the run's last step,
         which ends the run anyway (its model.pt is written)."""
+        if last:  # every rank alike: the run ends anyway, normally (its model.pt is written), with no check
+            self.finished = True
+            self.watchdog.cancel()
+            return None
         self.steps += 1
         if self.d.distributed and self.steps < self.next_check:
             return None
@@ -133,9 +200,6 @@ class Stopper:
             tdist.all_reduce(flags, op=tdist.ReduceOp.MAX, group=self.group)
             *seen, fewest = flags.tolist()
             self.steps, self.next_check, self.checked = 0, -fewest, now
-        if last:
-            self.watchdog.cancel()  # the run ends anyway, normally
-            return None
         self.stopping = bool(seen[0] or seen[1])
         if self.stopping:
             self.watchdog.cancel()  # every rank reached the stop: its checkpoint is bounded by the collectives' timeout
@@ -155,20 +219,22 @@ class Stopper:
         """The handler that signal had before ours, now: submitit's requeues the job (rank 0) and exits."""
         previous = self.previous.get(signum) if signum else None
         self.restore()
-        if callable(previous):
-            previous(signum, None)
+        if signum is not None:
+            _call(_FOUND.get(signum) if previous is at_once else previous, signum)
 
 
-def exit_stopped(stopped: Stopped) -> NoReturn:
+def exit_stopped(stopped: Stopped, run_dir: Path | None = None) -> NoReturn:
     """run()'s end of a stopped run: the line from rank 0 (a self-launched worker hands it to its parent,
     which prints it), the signal's previous handler (submitit: requeue), then every rank past a barrier
     (none exits before rank 0 said its line and requeued: srun and torchrun end the others when one
     exits), and the exit status. A self-launched worker exits non-zero even for max_time: its parent
     reads the line and exits with the status."""
+    _EXITING.append(stopped)
     if is_worker():
         report(str(stopped), stopped.code, peer_failed=False, stopped=True)
     elif dist.env_rank() == 0:
         print(str(stopped), file=sys.stderr, flush=True)
+        _remove_if_empty(run_dir)  # self-launched workers stopped in their start-up
     chained: BaseException | None = None
     try:
         if stopped.chain is not None:

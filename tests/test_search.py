@@ -84,9 +84,9 @@ def study(tmp_path_factory):
     pruner alone), then 2 more in one process (trial 4 pruned)."""
     sweep = tmp_path_factory.mktemp("study") / "sweep"
     common = (*STUDY, f"hydra.sweep.dir={sweep}")
-    first = run_train(
-        sweep / "unused", *common, "hydra.sweeper.n_trials=3", "parallel.nproc_per_node=2", *planted_pruner(1, 2)
-    )
+    # parallel.timeout_s: ranks that disagreed on pruning would wait on each other's collectives; fail, not hang
+    two_ranks = ("parallel.nproc_per_node=2", "parallel.timeout_s=120")
+    first = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=3", *two_ranks, *planted_pruner(1, 2))
     earlier = trials(sweep)
     second = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
     return sweep, first, second, earlier

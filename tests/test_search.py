@@ -128,7 +128,6 @@ def test_a_second_command_continues_the_study_in_new_dirs_with_new_draws(study):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("number", [2, 4])  # 2: 2 self-launched ranks, rank 1's pruner alone; 4: one process
 def test_a_pruned_trial_ends_like_an_early_stop_and_is_pruned_in_the_study(study, number):
     sweep, first, second, _ = study

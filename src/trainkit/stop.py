@@ -88,6 +88,7 @@ class Stopper:
         self.steps, self.next_check, self.checked = 0, 1, time.monotonic()  # steps since the last check
         # The flags stay on the CPU: on NCCL a device flag read each step would wait for the step's kernels.
         self.group: tdist.ProcessGroup | None = None
+        self.alone = not d.distributed
         if d.distributed and tdist.get_backend() != "gloo":  # every rank builds the Stopper at the same point
             self.group = cast(tdist.ProcessGroup, tdist.new_group(backend="gloo"))
 
@@ -121,6 +122,8 @@ class Stopper:
         """After each optimizer step, on every rank: why every rank stops after this step (a signal's
         name, `trainer.max_time=...`), the same on all of them, or None. `last`: the run's last step,
         which ends the run anyway (its model.pt is written)."""
+        if self.alone and not self.received and self.budget is None and not last:
+            return None  # one process, no signal, no budget: nothing to check or agree on (~5 us a step)
         self.steps += 1
         if self.d.distributed and self.steps < self.next_check:
             return None

@@ -128,13 +128,13 @@ def wrap(
     eager, torch 2.14.1). A mode (compile_mode) goes to torch.compile: reduce-overhead captures the
     step's kernels in CUDA graphs (a GPU's launch cost is then one replay a graph; torch records one
     graph per batch shape, so an epoch's short last micro-batch costs one more recording)."""
-    compile = compile_mode(compile, mode)
+    compiled = compile_mode(compile, mode)  # None: eager
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
         model, sync_bn = _sync_batchnorm(model, d)
-    if compile and mode != "fsdp":
-        model.compile(mode=compile)
+    if compiled and mode != "fsdp":
+        model.compile(mode=compiled)
     if mode == "ddp":
         # With SyncBN the running statistics are identical on every rank already: DDP's
         # broadcast of rank 0's buffers before every forward would only cost time.
@@ -152,8 +152,8 @@ def wrap(
         mesh = fsdp_mesh(d, replicate)
         policy = mixed_precision(precision, d.device, reduce_dtype)
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
-            if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
-                unit.forward = torch.compile(unit.forward, mode=compile)
+            if compiled:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
+                unit.forward = torch.compile(unit.forward, mode=compiled)
             _shard(model, unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size // replicate, replicated=replicate > 1)

@@ -32,6 +32,7 @@ indexes an in-memory data set itself) is why trainkit comes out ahead on the sma
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -56,6 +57,19 @@ from trainkit.precision import autocast_for  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter  # what both loops are timed by (--clock)
+
+
+def conv1d(in_shape, num_classes: int, width: int = 32, depth: int = 2, dropout: float = 0.0) -> torch.nn.Module:
+    """A small 1-D CNN over the flattened input (digits: 64 positions, one channel), the third benchmark
+    model (a plain step of ~2 ms on one core): `model=mlp model._target_=__main__.conv1d` (mlp's keys)."""
+    layers: list[torch.nn.Module] = [torch.nn.Flatten(), torch.nn.Unflatten(1, (1, math.prod(in_shape)))]
+    channels = 1
+    for _ in range(depth):
+        layers += [torch.nn.Conv1d(channels, width, 5, padding=2), torch.nn.ReLU(), torch.nn.Dropout(dropout)]
+        channels = width
+    return torch.nn.Sequential(
+        *layers, torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(), torch.nn.Linear(width, num_classes)
+    )
 
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
@@ -108,6 +122,54 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     return samples / (clock() - started)
 
 
+def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
+    """The fastest plain loop a person writes for a data set that fits in memory (airbench's and the
+    small-model papers' loops): the split's tensors on the device once, a random permutation per epoch
+    (one gather), micro-batches as slices of it, forward, loss, backward, clip, step, schedule,
+    zero_grad; no metrics, no evaluation. The loss is the task's sum over the micro-batch's items times
+    1 / (items x K): one scalar op, as a mean loss / K. Under torchrun rank r takes every W-th sample of
+    the permutation and DDP's no_sync() wraps the first K-1 micro-batches. Needs tensors (InMemory)."""
+    torch.manual_seed(cfg.seed)
+    train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
+    inputs, targets = (t.to(d.device) for t in train_set.tensors)
+    model = instantiate(cfg.model).to(d.device)
+    if d.distributed:
+        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    optimizer = optim.build(cfg.optim, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
+    task = instantiate(cfg.task)
+    autocast = autocast_for(cfg.trainer.precision, d.device)
+    max_norm = cfg.trainer.clip_grad_norm or math.inf
+    K, b = config.accumulation_steps(cfg, d.world_size), cfg.data.batch_size
+    generator = torch.Generator(d.device).manual_seed(cfg.seed)
+    micro: list = []  # this epoch's micro-batches, (x, y) slices, next first
+    samples, started = 0, 0.0
+    model.train()
+    for step in range(steps):
+        if step == steps // 2:
+            if d.device.type == "cuda":
+                torch.cuda.synchronize()
+            samples, started = 0, clock()
+        for k in range(K):
+            if not micro:  # a new epoch: one permutation, one gather per tensor, then slices
+                order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
+                x_epoch, y_epoch = inputs[order], targets[order]
+                micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
+            x, y = micro.pop()
+            with model.no_sync() if d.distributed and k < K - 1 else contextlib.nullcontext():
+                with autocast():
+                    loss = task.loss_sum(model(x), y) * (1 / (len(y) * K))
+                loss.backward()
+            samples += len(y) * d.world_size
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    if d.device.type == "cuda":
+        torch.cuda.synchronize()
+    return samples / (clock() - started)
+
+
 def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
     """train() itself; its last row's samples/s (all ranks), read back from rank 0's metrics."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,13 +184,200 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
         return d.gather_object(rate)[0]
 
 
+# What train() calls per optimizer step beyond the plain loop's forward, loss, backward, clip, step, schedule
+# and zero_grad (--breakdown): (where, attribute, what). Context managers are timed at entry and exit (not
+# their bodies), generators and iterators per item; the rest per call.
+HOOKS = [
+    ("trainkit.data:TrainLoader", "epoch", "data: the window's micro-batches (per item)"),
+    ("trainkit.metrics:TrainMeter", "waiting_for_data", "meter: time/data_wait's clock"),
+    ("trainkit.metrics:TrainMeter", "add_micro_step", "meter: the micro-batch's loss sum"),
+    ("trainkit.metrics:TrainMeter", "add_step", "meter: the step's sums"),
+    ("trainkit.metrics:TrainMeter", "paused", "meter: paused() around evaluation / rows"),
+    ("train", "seed_step", "rng: seed_step (dropout's stream)"),
+    ("trainkit.accumulate:EpochLayout", "window_samples", "layout: the window's samples"),
+    ("trainkit.accumulate:EpochLayout", "micro_steps", "layout: the window's micro-steps"),
+    ("train", "sync_context", "accumulate: sync_context"),
+    ("train", "syncs_now", "accumulate: syncs_now"),
+    ("trainkit.autobatch:AutoBatch", "micro_steps", "autobatch: micro_steps (per item)"),
+    ("trainkit.autobatch:AutoBatch", "catching", "autobatch: catching()"),
+    ("trainkit.autobatch:AutoBatch", "retry", "autobatch: retry()"),
+    ("trainkit.guard:StepGuard", "start_window", "guard: start_window"),
+    ("trainkit.guard:StepGuard", "decide", "guard: decide"),
+    ("trainkit.guard:StepGuard", "check", "guard: check (logged steps)"),
+    ("torch.amp:GradScaler", "scale", "GradScaler.scale (fp32: off)"),
+    ("torch.amp:GradScaler", "unscale_", "GradScaler.unscale_"),
+    ("torch.amp:GradScaler", "update", "GradScaler.update"),
+    ("train", "full_tensor", "parallel: full_tensor"),
+    ("torch.optim.lr_scheduler:LRScheduler", "get_last_lr", "scheduler.get_last_lr"),
+    ("trainkit.ema:EMA", "update", "ema.update (off)"),
+    ("trainkit.progress:Progress", "step", "progress: step"),
+    ("trainkit.profile:Profiler", "step", "profiler: step (off)"),
+    ("trainkit.stop:Stopper", "due", "stop: Stopper.due"),
+    ("trainkit.checkpoint:Checkpointer", "due", "checkpoint: due"),
+    ("trainkit.metrics:TrainMeter", "row", "rows: meter.row (per row)"),
+    ("trainkit.summary:Efficiency", "row", "rows: efficiency.row (per row)"),
+    ("trainkit.progress:Progress", "train_line", "rows: console line (per row)"),
+    ("trainkit.metrics:MetricsLogger", "log", "rows: metrics.jsonl (per row)"),
+]
+
+
+def breakdown(cfg, d: dist.Dist, steps: int, repeats: int = 3) -> list[tuple[str, float]]:
+    """(what, CPU us per optimizer step) of each of HOOKS in train()'s own run of `steps` steps, less
+    the timing wrapper's own cost (measured around a call that does nothing); the median of `repeats` runs."""
+    import importlib
+    import inspect
+
+    totals: dict[str, list[float]] = {what: [] for *_, what in HOOKS}
+    spent: dict[str, float] = {}
+
+    def timed(what, method):
+        def call(*args, **kwargs):
+            started = clock()
+            result = method(*args, **kwargs)
+            spent[what] += clock() - started - overhead
+            if hasattr(result, "__enter__"):
+                return _TimedContext(result, what)
+            if inspect.isgenerator(result) or type(result).__name__ == "chain":
+                return _timed_items(result, what)
+            return result
+
+        return call
+
+    class _TimedContext:
+        def __init__(self, inner, what):
+            self.inner, self.what = inner, what
+
+        def __enter__(self):
+            started = clock()
+            value = self.inner.__enter__()
+            spent[self.what] += clock() - started - overhead
+            return value
+
+        def __exit__(self, *exc):
+            started = clock()
+            result = self.inner.__exit__(*exc)
+            spent[self.what] += clock() - started - overhead
+            return result
+
+    def _timed_items(items, what):
+        items = iter(items)
+        while True:
+            started = clock()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                spent[what] += clock() - started - overhead
+            yield item
+
+    started = clock()  # the wrapper's cost: two clock reads and the bookkeeping around a call
+    for _ in range(10000):
+        begin = clock()
+        spent[""] = spent.get("", 0.0) + clock() - begin
+    overhead = (clock() - started) / 10000
+    originals = []
+    for where, name, what in HOOKS:
+        module_name, _, owner_name = where.partition(":")
+        owner = importlib.import_module(module_name) if module_name != "train" else sys.modules["train"]
+        owner = getattr(owner, owner_name) if owner_name else owner
+        originals.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, timed(what, getattr(owner, name)))
+    try:
+        for _ in range(repeats):
+            spent.clear()
+            spent.update({what: 0.0 for what in totals})
+            trainkit_loop(cfg, d, steps)
+            for what in totals:
+                totals[what].append(spent[what] / steps * 1e6)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    return [(what, statistics.median(values)) for what, values in totals.items()]
+
+
+def compare(cfg, d: dist.Dist, args) -> dict[str, list[float]]:
+    """The three loops' samples/s in alternating blocks (the order reverses every block: drift cancels)."""
+    loops = {
+        "tensor": lambda: tensor_loop(cfg, d, args.steps),
+        "dataloader": lambda: plain_loop(cfg, d, args.steps),
+        "trainkit": lambda: trainkit_loop(cfg, d, args.steps),
+    }
+    if not isinstance(instantiate(cfg.data.splits)[0], TensorDataset):
+        loops.pop("tensor")  # a data set that is no tensors: the DataLoader loop only
+    rates: dict[str, list[float]] = {name: [] for name in loops}
+    for block in range(args.warmup_blocks + args.blocks):
+        for name in sorted(loops, reverse=block % 2 == 1):
+            rate = loops[name]()
+            if block >= args.warmup_blocks:
+                rates[name].append(rate)
+        if args.verbose and block >= args.warmup_blocks:
+            d.print0(f"block {block}: " + " ".join(f"{name} {values[-1]:.0f}" for name, values in rates.items()))
+    return rates
+
+
+def ratio_line(rates: dict[str, list[float]], baseline: str, short: bool = False) -> str:
+    """trainkit's samples/s over the baseline's: the median of the blocks' ratios, its quartiles and range."""
+    ratios = [ours / plain for ours, plain in zip(rates["trainkit"], rates[baseline], strict=True)]
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    if short:
+        return f"{statistics.median(ratios):.3f} ({low:.2f}-{high:.2f})"
+    return (
+        f"{statistics.median(ratios):.3f} (median of {len(ratios)} blocks; "
+        f"quartiles {low:.2f}-{high:.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+
+
+SUITE = {  # --suite: the issue-36 table (the three models at K=1 and K=4)
+    "mlp (default)": [],
+    "cnn": ["model=cnn"],
+    "conv1d (width 48)": ["model._target_=__main__.conv1d", "model.width=48"],
+}
+
+
+def composed(steps: int, overrides: list[str]):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=[
+                f"trainer.max_steps={steps}",
+                f"trainer.log_every={steps // 2}",
+                f"trainer.eval_every={steps}",
+                "checkpoint.every=0",
+                *overrides,
+            ],
+        )
+
+
+def suite(d: dist.Dist, args) -> None:
+    """One table row per SUITE model and K: trainkit / the tensor-slicing loop, and / the DataLoader loop."""
+    lines = [
+        "| model | K | trainkit / tensor-slicing loop (quartiles) | trainkit / DataLoader loop | tensor loop's step |",
+        "|---|---|---|---|---:|",
+    ]
+    for name, model in SUITE.items():
+        for K in (1, 4):
+            cfg = composed(args.steps, [*model, f"accumulation.steps={K}", *args.overrides])
+            with contextlib.redirect_stdout(io.StringIO()):  # the runs' own lines
+                rates = compare(cfg, d, args)
+            step_ms = K * cfg.data.batch_size * d.world_size / statistics.median(rates["tensor"]) * 1e3
+            lines.append(
+                f"| {name} | {K} | {ratio_line(rates, 'tensor', True)} | {ratio_line(rates, 'dataloader', True)} "
+                f"| {step_ms:.2f} ms |"
+            )
+            d.print0(lines[-1])
+    d.print0("\n".join(["", *lines]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=20, help="alternations of the two loops that count")
+    parser.add_argument("--blocks", type=int, default=20, help="alternations of the loops that count")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per loop and block")
     parser.add_argument("--warmup-blocks", type=int, default=1, help="alternations run first and dropped")
     parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true, once")
-    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for both loops (default 1)")
+    parser.add_argument("--suite", action="store_true", help="the table: mlp, cnn, conv1d at K=1 and K=4 (+ overrides)")
+    parser.add_argument("--breakdown", action="store_true", help="also the CPU time of each hook train() calls")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for all loops (default 1)")
     parser.add_argument(
         "--clock", choices=["auto", *CLOCKS], default="auto", help="process CPU time or wall time; auto: cpu on a CPU"
     )
@@ -136,17 +385,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="print every block's rates")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            "train",
-            overrides=[
-                f"trainer.max_steps={args.steps}",
-                f"trainer.log_every={args.steps // 2}",
-                f"trainer.eval_every={args.steps}",
-                "checkpoint.every=0",
-                *args.overrides,
-            ],
-        )
+    cfg = composed(args.steps, args.overrides)
     torch.set_num_threads(args.threads)
     d = dist.init("auto", cfg.trainer.device)
     global clock
@@ -161,29 +400,33 @@ def main() -> None:
         f"K={config.accumulation_steps(cfg, d.world_size)}; {args.warmup_blocks} + {args.blocks} blocks of "
         f"{args.steps} steps each, timed over their second half by {args.clock} time"
     )
-    loops = {"plain": lambda: plain_loop(cfg, d, args.steps), "trainkit": lambda: trainkit_loop(cfg, d, args.steps)}
-    rates: dict[str, list[float]] = {"plain": [], "trainkit": []}
-    for block in range(args.warmup_blocks + args.blocks):
-        for name in sorted(loops, reverse=block % 2 == 1):  # plain first, then trainkit first: drift cancels
-            rate = loops[name]()
-            if block >= args.warmup_blocks:
-                rates[name].append(rate)
-        if args.verbose and block >= args.warmup_blocks:
-            d.print0(
-                f"block {block}: plain {rates['plain'][-1]:.0f} trainkit {rates['trainkit'][-1]:.0f} "
-                f"ratio {rates['trainkit'][-1] / rates['plain'][-1]:.3f}"
-            )
-    ratios = [ours / plain for ours, plain in zip(rates["trainkit"], rates["plain"], strict=True)]
+    if args.suite:
+        suite(d, args)
+        dist.teardown(finished=True)
+        return
+    rates = compare(cfg, d, args)
     for name, values in rates.items():
         d.print0(
             f"{name:<12} {statistics.median(values):>10,.0f} samples/s of {args.clock} time "
             f"(median of {len(values)} blocks)"
         )
-    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    d.print0(
-        f"ratio trainkit / plain: {statistics.median(ratios):.3f} (median of {len(ratios)} blocks; "
-        f"quartiles {low:.2f}-{high:.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
-    )
+    if "tensor" in rates:
+        d.print0(f"ratio trainkit / tensor-slicing loop: {ratio_line(rates, 'tensor')}")
+    d.print0(f"ratio trainkit / DataLoader loop: {ratio_line(rates, 'dataloader')}")
+    if args.breakdown:
+        baseline = "tensor" if "tensor" in rates else "dataloader"
+        samples = config.accumulation_steps(cfg, d.world_size) * cfg.data.batch_size * d.world_size
+        step_us = {name: samples / statistics.median(values) * 1e6 for name, values in rates.items()}
+        hooks = breakdown(cfg, d, args.steps)
+        d.print0(
+            f"\n| per optimizer step ({args.clock} time) | us | % of the {baseline} loop's step |\n|---|---:|---:|\n"
+            + "".join(f"| {what} | {us:.1f} | {100 * us / step_us[baseline]:.1f} |\n" for what, us in hooks)
+            + f"| all hooks | {sum(us for _, us in hooks):.1f} | "
+            f"{100 * sum(us for _, us in hooks) / step_us[baseline]:.1f} |\n"
+            f"| trainkit's step less the {baseline} loop's (medians) | {step_us['trainkit'] - step_us[baseline]:.1f} | "
+            f"{100 * (step_us['trainkit'] / step_us[baseline] - 1):.1f} |\n"
+            f"| the {baseline} loop's step | {step_us[baseline]:.1f} | 100 |"
+        )
     if args.compile:
         compiled = trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps)
         eager = statistics.median(rates["trainkit"])

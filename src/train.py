@@ -202,7 +202,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     # the same samples and dropout draws, so the run is the one with that micro-batch throughout.
                     optimizer.zero_grad(set_to_none=True)
                     guard.put_back_buffers()
-                    meter.window_loss.zero_()
+                    meter.drop_window()
                     layout, loader = data_for(auto.batch_size, auto.K)
                     batches = loader.epoch(epoch, start=window * auto.K)
                 scaler.unscale_(optimizer)  # clip true gradients, once, after the sync

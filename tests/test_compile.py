@@ -48,3 +48,24 @@ def test_compiled_training_equals_eager_within_rounding(eager, tmp_path, mode, m
         assert torch.allclose(got[name], expected[name], **TOLERANCE), name
     if mode != "single":
         assert syncs(tmp_path) == [1.0] * 6  # no_sync holds around the compiled forward and backward
+
+
+def test_trainer_compile_takes_torchs_modes_and_refuses_cuda_graphs_under_fsdp(monkeypatch):
+    """true is torch's default mode, a mode by name goes to torch.compile as it is; an unknown value and CUDA
+    graphs under FSDP are one-line config errors (no compilation is run: torch.compile's own test is above)."""
+    from trainkit.dist import Dist
+    from trainkit.errors import ConfigError
+    from trainkit.parallel import compile_mode, wrap
+
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs["mode"]))
+    cpu = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    for value in (True, "default", "reduce-overhead", "max-autotune-no-cudagraphs"):
+        wrap(torch.nn.Linear(2, 2), "single", cpu, compile=value)
+    wrap(torch.nn.Linear(2, 2), "single", cpu, compile=False)
+    assert modes == ["default", "default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+    with pytest.raises(ConfigError, match=r"trainer.compile=fast is not one of: false, true, default, reduce-overhead"):
+        compile_mode("fast", "single")
+    with pytest.raises(ConfigError, match="trainer.compile=reduce-overhead captures CUDA graphs"):
+        compile_mode("reduce-overhead", "fsdp")
+    assert compile_mode("max-autotune-no-cudagraphs", "fsdp") == "max-autotune-no-cudagraphs"

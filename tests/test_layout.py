@@ -139,3 +139,39 @@ def test_train_py_takes_data_shuffle(tmp_path):
     x, y = digits()[0].tensors
     expected = torch.nn.functional.cross_entropy(model(x[:32]), y[:32]).item()
     assert rows(tmp_path)[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+class Rows(torch.utils.data.Dataset):
+    """A TensorDataset in all but type: TrainLoader loads it through its DataLoader."""
+
+    draws_random = False
+
+    def __init__(self, *tensors: torch.Tensor):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def __getitem__(self, index):
+        return tuple(t[index] for t in self.tensors)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_in_memory_fast_path_loads_what_the_dataloader_loads(shuffle):
+    """TrainLoader's fast path (tensors: one gather per epoch, views) yields the DataLoader path's micro-batches:
+    the same samples in the same order on every rank, short and empty micro-batches alike, from any start."""
+    x, y = torch.randn(37, 3), torch.arange(37)
+    for world_size, batch_size in [(1, 4), (2, 4), (3, 5), (4, 10)]:
+        micro_batches = EpochLayout(37, world_size, batch_size, 2).micro_batches + 1  # one empty one at the end
+        for rank in range(world_size):
+            d = Dist(rank, rank, world_size, torch.device("cpu"))
+            fast, slow = (
+                TrainLoader(data, d, batch_size, 0, 3, micro_batches, shuffle=shuffle)
+                for data in (TensorDataset(x, y), Rows(x, y))
+            )
+            assert fast.in_memory and not slow.in_memory
+            for epoch, start in [(0, 0), (1, 0), (1, 2), (2, micro_batches - 1)]:
+                got, expected = list(fast.epoch(epoch, start)), list(slow.epoch(epoch, start))
+                assert len(got) == len(expected) == micro_batches - start
+                for (gx, gy), (ex, ey) in zip(got, expected, strict=True):
+                    assert torch.equal(gx, ex) and torch.equal(gy, ey), (world_size, rank, epoch, start)

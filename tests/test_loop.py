@@ -217,6 +217,43 @@ def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader():
     assert meter.row()["time/data_wait"] < 0.1  # per row: the next starts from zero
 
 
+@pytest.mark.parametrize("pending", [2, 256])
+def test_the_meters_row_is_the_exact_mean_and_a_resume_mid_row_logs_the_same(monkeypatch, pending):
+    """loss: the sum of the kept windows' loss sums over their items; grad_norm: the mean of the kept steps'
+    norms; a skipped or retried window counts in neither; the same when the meter sums its pending tensors
+    every `pending` (PENDING) and when a checkpoint's state_dict is loaded into a fresh meter mid-row."""
+    from trainkit import metrics
+    from trainkit.parallel import CommStats
+
+    monkeypatch.setattr(metrics, "PENDING", pending)
+    losses = [[1.5, 2.25], [4.0, 0.5], [float("nan"), 1.0], [3.0, 0.125], [7.0, 1.0]]  # window 2 skipped
+    norms, items = [0.5, 1.5, float("inf"), 2.0, 4.0], [10, 8, 9, 7, 6]
+
+    def run(resume_after: int | None) -> tuple[dict, float]:
+        meter = metrics.TrainMeter(CPU, CommStats())
+        for step, (window, norm, n) in enumerate(zip(losses, norms, items, strict=True)):
+            meter.add_micro_step(torch.tensor(99.0))  # a window that ran out of memory and runs again
+            meter.drop_window()
+            for loss in window:
+                meter.add_micro_step(torch.tensor(loss, requires_grad=True) * 1)
+            window_loss = meter.window_loss.item()
+            meter.add_step(torch.tensor(norm), samples=n, items=n, skipped=step == 2)
+            if step == resume_after:
+                state = meter.state_dict()
+                meter = metrics.TrainMeter(CPU, CommStats())
+                meter.load_state_dict(state)
+        return meter.row(), window_loss
+
+    kept = [i for i in range(5) if i != 2]
+    expected_loss = sum(sum(losses[i]) for i in kept) / sum(items[i] for i in kept)
+    for resume_after in (None, 0, 2, 3):
+        row, last_window = run(resume_after)
+        assert row["loss"] == pytest.approx(expected_loss, rel=1e-15), resume_after
+        assert row["grad_norm"] == pytest.approx(sum(norms[i] for i in kept) / 4, rel=1e-15)
+        assert row["samples"] == sum(items) and row["skipped_steps"] == 1
+        assert last_window == 8.0  # guard.decide's window loss: the retried attempt's 99 is gone
+
+
 def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
     # lr 0 keeps the initial weights, so every logged pre-clip gradient norm can be recomputed
     # here: the mean loss over the window's samples (DistributedSampler's order for epoch 0).

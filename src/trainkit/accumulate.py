@@ -2,6 +2,7 @@
 loss normalisation that makes training world-size invariant."""
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,11 +34,11 @@ class EpochLayout:
     def global_batch(self) -> int:
         return self.world_size * self.steps * self.batch_size
 
-    @property
+    @functools.cached_property  # computed once per layout (a frozen dataclass's __dict__): read every step
     def local_samples(self) -> int:
         return math.ceil(self.num_samples / self.world_size)
 
-    @property
+    @functools.cached_property
     def micro_batches(self) -> int:
         return math.ceil(self.local_samples / self.batch_size)
 
@@ -72,8 +73,11 @@ def sync_context(model: torch.nn.Module, sync: bool):
     if isinstance(model, FSDPModule):
         return _fsdp_sync(model, sync)
     if sync or not isinstance(model, DDP):
-        return contextlib.nullcontext()
+        return _NULL
     return model.no_sync()
+
+
+_NULL = contextlib.nullcontext()  # reusable: one for every micro-step that syncs or has nothing to skip
 
 
 @contextlib.contextmanager

@@ -33,6 +33,8 @@ class StepGuard:
         self.saved = [b.clone() for b in self.buffers]
 
     def start_window(self) -> None:
+        if not self.buffers:  # on_nonfinite=raise (the default): nothing to keep
+            return
         for saved, buffer in zip(self.saved, self.buffers, strict=True):
             saved.copy_(buffer)
 

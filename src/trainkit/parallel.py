@@ -82,6 +82,26 @@ WRAP_SETTINGS = (
 )
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(value: bool | str, mode: str) -> str | None:
+    """trainer.compile as torch.compile's mode: false -> None (eager), true -> "default", or a mode by name.
+    CUDA graphs (reduce-overhead, max-autotune) are refused under FSDP: its units gather their parameters
+    into new memory at every forward, which a recorded graph cannot follow."""
+    if value is False or value is None:
+        return None
+    name = "default" if value is True else value
+    if name not in COMPILE_MODES:
+        raise ConfigError(f"trainer.compile={value} is not one of: false, true, {', '.join(COMPILE_MODES)}")
+    if mode == "fsdp" and name in ("reduce-overhead", "max-autotune"):
+        raise ConfigError(
+            f"trainer.compile={name} captures CUDA graphs, which FSDP's per-forward parameter gathering breaks; "
+            "under parallel=fsdp use true, default or max-autotune-no-cudagraphs"
+        )
+    return name
+
+
 def wrap(
     model: nn.Module,
     mode: str,
@@ -96,7 +116,7 @@ def wrap(
     static_graph: bool = False,
     reduce_dtype: str = "fp32",
     replicate: int = 1,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> tuple[nn.Module, CommStats]:
     """Move the model to its device, convert BatchNorm to SyncBN (before wrapping) and wrap it
     for `mode`; returns the counters of its gradient syncs. DDP only: `bucket_cap_mb` (None:
@@ -107,13 +127,16 @@ def wrap(
     backward) and `replicate` (R > 1: HSDP, see fsdp_mesh). `compile`: torch.compile in place before
     wrapping (the state_dict keeps its names), the whole model; under FSDP each shard unit's forward,
     per unit as torchtitan does (FSDP2's hooks disable dynamo: a module compiled with its hooks ran
-    eager, torch 2.14.1)."""
+    eager, torch 2.14.1). A mode (compile_mode) goes to torch.compile: reduce-overhead captures the
+    step's kernels in CUDA graphs (a GPU's launch cost is then one replay a graph; torch records one
+    graph per batch shape, so an epoch's short last micro-batch costs one more recording)."""
+    compiled = compile_mode(compile, mode)  # None: eager
     stats = CommStats()
     model = model.to(d.device)
     if sync_bn:
         model, sync_bn = _sync_batchnorm(model, d)
-    if compile and mode != "fsdp":
-        model.compile()
+    if compiled and mode != "fsdp":
+        model.compile(mode=compiled)
     if mode == "ddp":
         # With SyncBN the running statistics are identical on every rank already: DDP's
         # broadcast of rank 0's buffers before every forward would only cost time.
@@ -131,8 +154,8 @@ def wrap(
         mesh = fsdp_mesh(d, replicate)
         policy = mixed_precision(precision, d.device, reduce_dtype)
         for unit in reversed(fsdp_units(model, shard_units)):  # innermost first, as FSDP2 requires
-            if compile:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
-                unit.forward = torch.compile(unit.forward)
+            if compiled:  # its forward alone: FSDP2's hooks around it stay eager (they disable dynamo)
+                unit.forward = torch.compile(unit.forward, mode=compiled)
             _shard(model, unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size // replicate, replicated=replicate > 1)

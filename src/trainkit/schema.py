@@ -47,7 +47,7 @@ class Trainer:
     eval_every: int = 200
     log_every: int = 50
     on_nonfinite: str = "raise"
-    compile: bool = False
+    compile: Any = False  # false | true | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     test: bool = True  # at the end: the best (else last) weights on the test split
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     ema: EMA = field(default_factory=EMA)

@@ -148,6 +148,7 @@ class Stopper:
         self.steps, self.next_check, self.checked = 0, 1, time.monotonic()  # steps since the last check
         # The flags stay on the CPU: on NCCL a device flag read each step would wait for the step's kernels.
         self.group: tdist.ProcessGroup | None = None
+        self.alone = not d.distributed
         if d.distributed and tdist.get_backend() != "gloo":  # every rank builds the Stopper at the same point
             self.group = cast(tdist.ProcessGroup, tdist.new_group(backend="gloo"))
 
@@ -188,6 +189,8 @@ class Stopper:
             self.finished = True
             self.watchdog.cancel()
             return None
+        if self.alone and not self.received and self.budget is None:
+            return None  # one process, no signal, no budget: nothing to check or agree on (~5 us a step)
         self.steps += 1
         if self.d.distributed and self.steps < self.next_check:
             return None

@@ -6,6 +6,7 @@ Here: the task, its kNN evaluation, the digits views data set (data=digits_views
 projection head (model=simclr)."""
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,10 @@ class Contrastive:
 
     def __init__(self, bank: Dataset | None, temperature: float = 0.2, knn_k: int = 10, bank_batch_size: int = 256):
         if bank is None:
-            raise ConfigError("task.bank=null: task=contrastive evaluates by kNN against a labelled split (e.g. data=digits_views' train split: +experiment=digits_simclr)")
+            raise ConfigError(
+                "task.bank=null: task=contrastive evaluates by kNN against a labelled split, e.g. "
+                "+experiment=digits_simclr's (digits' train split)"
+            )
         if not temperature > 0:
             raise ConfigError(f"task.temperature={temperature} must be > 0")
         if not (isinstance(knn_k, int) and knn_k >= 1):
@@ -126,10 +130,10 @@ class DigitsViews(Dataset):
 def digits_views(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
     """data=digits_views: digits' splits; train yields two views of each image, val and test the images."""
     train, val, test = digits(val_fraction, test_fraction)
-    return DigitsViews(*train.tensors), val, test
+    return DigitsViews(*cast(InMemory, train).tensors), val, test
 
 
-def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> InMemory:
+def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> Dataset:
     """task.bank for data=digits_views: digits' train split as it is (images, labels), no augmentation."""
     return digits(val_fraction, test_fraction)[0]
 

@@ -57,7 +57,13 @@ class CoupledWindows:
 
     def __init__(self, model: nn.Module, task, d: Dist, autocast, scaler, auto, meter):
         self.model, self.task, self.d, self.autocast, self.scaler, self.auto, self.meter = (
-            model, task, d, autocast, scaler, auto, meter
+            model,
+            task,
+            d,
+            autocast,
+            scaler,
+            auto,
+            meter,
         )
         # DDP's forward outside its backward protocol would change its state (require_forward_param_sync): the
         # graph-free pass takes the plain module (no collective in it). FSDP2's module is the plain one.

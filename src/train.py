@@ -19,6 +19,7 @@ from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pr
 from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpack
+from trainkit.coupled import CoupledWindows, couples
 from trainkit.data import TrainLoader
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, Stopped, user_error
@@ -92,6 +93,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
     max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
     meter = TrainMeter(d, comm, task.items_name)
+    # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
+    coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
     selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
@@ -187,15 +190,18 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
                     scale = d.world_size / items
                     guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
-                    for k, batch in auto.micro_steps(micro):  # auto: up to this rank's out of memory
-                        x, y = unpack(task, to_device(batch, d.device))  # what the model gets, what the loss reads
-                        # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
-                        # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
-                        with sync_context(model, syncs_now(strategy, k, len(micro))), auto.catching():
-                            with autocast():
-                                loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
-                            scaler.scale(loss_sum * scale).backward()
-                            meter.add_micro_step(loss_sum)
+                    if coupled is not None:  # the loss couples the global batch: gradient caching
+                        coupled.run(micro, scale, strategy)
+                    else:
+                        for k, batch in auto.micro_steps(micro):  # auto: up to this rank's out of memory
+                            x, y = unpack(task, to_device(batch, d.device))  # what the model gets, what the loss reads
+                            # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
+                            # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
+                            with sync_context(model, syncs_now(strategy, k, len(micro))), auto.catching():
+                                with autocast():
+                                    loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
+                                scaler.scale(loss_sum * scale).backward()
+                                meter.add_micro_step(loss_sum)
                     if not auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
                         break
                     # Drop what the attempt touched; the same window again with half the micro-batch, twice K:

@@ -50,6 +50,8 @@ def _evaluate(model, loader, d, autocast, task) -> dict[str, float]:
     """The task's metrics ({"loss": ..., "acc": ...}; evaluate names them by the split)."""
     was_training = model.training
     model.eval()
+    if (prepare := getattr(task, "prepare_eval", None)) is not None:  # e.g. a kNN evaluation's bank
+        prepare(model, d, autocast)
     sums = torch.zeros(task.eval_width, dtype=torch.float64, device=d.device)  # loss, correct, counts, ...
     batches = batches_of(loader)
     for batch in batches.over(model):

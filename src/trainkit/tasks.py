@@ -9,6 +9,11 @@ What a task declares about its evaluation (the engine reads no metric by name):
   does not declare is refused, never guessed. Without `metrics`: val/loss alone, minimised.
 - `monitor`: checkpoint.monitor=auto's key (without: val/loss).
 - `headline` (optional): the metrics the console's lines show (default: every declared one).
+- `prepare_eval(model, d, autocast)` (optional): called on every rank at the start of each evaluation, the
+  plain module in eval mode, before the first `eval_sums` (collectives allowed: trainkit/contrastive.py gathers
+  a kNN evaluation's bank of training embeddings there).
+- `couples_batch = True` (optional): the loss couples a batch's items (a contrastive loss); `loss_sum` then
+  gets the outputs and targets of the whole global window at once, exactly (trainkit/coupled.py).
 Every metric is `eval_metrics` of all-reduced `eval_sums`, so it is exact at any world size also when
 it is no mean of per-item values (R^2 below: sums of y, y^2 and squared errors)."""
 

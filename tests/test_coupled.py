@@ -1,0 +1,175 @@
+"""Losses that couple the global batch (trainkit/coupled.py, task=contrastive): the gradient of one window of
+W=2 ranks x K=2 micro-batches x b is the gradient one process computes on the batch of 4b, while naive
+accumulation (each micro-batch its own negatives) is clearly off; the second pass draws the first pass's dropout
+masks; BatchNorm's running statistics move once per micro-batch; +experiment=digits_simclr trains the same
+weights and kNN accuracy on 1 process and on 2 ranks x K=2.
+
+Tolerances: float32 gradients of magnitude ~1e-2..1 summed in another order (micro-batches, ranks, DDP's
+all-reduce) differ by ~1e-7 relative; 1e-5 absolute leaves a hundredfold margin, and the naive loop's gap is
+thousands of times larger (asserted)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers import max_diff, rows, run_distributed, run_in_process, weights
+from trainkit.contrastive import Contrastive, SimCLR
+from trainkit.coupled import CoupledWindows, note
+from trainkit.dist import Dist
+
+B, K, W = 4, 2, 2  # micro-batch, micro-batches per rank, ranks: a global batch of 16 samples
+TOLERANCE = 1e-5
+
+
+class NoAuto:
+    """AutoBatch with data.batch_size=auto off (what CoupledWindows uses of it)."""
+
+    enabled, K = False, K
+
+    def micro_steps(self, micro):
+        return enumerate(micro)
+
+    def catching(self):
+        return contextlib.nullcontext()
+
+
+class Meter:
+    def __init__(self):
+        self.losses = []
+
+    def add_micro_step(self, loss_sum):
+        self.losses.append(loss_sum.detach())
+
+
+def task() -> Contrastive:
+    return Contrastive(bank=torch.utils.data.TensorDataset(torch.zeros(1)))
+
+
+def views(samples: int = W * K * B) -> torch.Tensor:
+    return torch.randn(samples, 2, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def model(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return SimCLR((1, 8, 8), width=32, depth=1, dim=16, **kwargs)
+
+
+def batches(x: torch.Tensor, first: int, count: int) -> list[dict]:
+    """`count` micro-batches of B samples from sample first * B on."""
+    labels = torch.zeros(len(x), dtype=torch.long)
+    return [
+        {"views": x[i * B : (i + 1) * B], "label": labels[i * B : (i + 1) * B]} for i in range(first, first + count)
+    ]
+
+
+def gradients(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in net.named_parameters()}
+
+
+def coupled_step(net: nn.Module, micro: list, d: Dist, wrapped: nn.Module | None = None) -> Meter:
+    """One coupled window's gradient in `net`'s .grad (scale: W / samples, as train.py's)."""
+    meter = Meter()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    windows = CoupledWindows(wrapped or net, task(), d, contextlib.nullcontext, scaler, NoAuto(), meter)
+    windows.run(micro, d.world_size / (W * K * B), "no_sync")
+    return meter
+
+
+def reference(net: nn.Module, micro: list) -> torch.Tensor:
+    """One process, the whole batch's loss with graph (each micro-batch's forward in turn: the same dropout draws
+    and BatchNorm statistics as the window's), backward: the exact gradient in `net`'s .grad."""
+    t = task()
+    outputs = [net(t.unpack(batch)[0]) for batch in micro]
+    loss = t.loss_sum(torch.cat(outputs), torch.zeros(0)) / (W * K * B)
+    loss.backward()
+    return loss.detach()
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    net = model()
+    micro = batches(views(), rank * K, K)
+    meter = coupled_step(net, micro, d, DDP(net))
+    coupled = gradients(net)
+    naive = model()  # the usual loop: each micro-batch's loss over its own B samples (B - 1 negatives each)
+    ddp = DDP(naive)
+    t = task()
+    for k, batch in enumerate(micro):
+        with ddp.no_sync() if k < K - 1 else contextlib.nullcontext():
+            (t.loss_sum(ddp(t.unpack(batch)[0]), batch["label"]) * world_size / (W * K * B)).backward()
+    return {"coupled": coupled, "naive": gradients(naive), "loss": sum(meter.losses)}
+
+
+def test_two_ranks_x_k2_give_the_one_process_gradient_and_naive_accumulation_does_not():
+    ranks = run_distributed(_ranks, W)
+    net = model()
+    loss = reference(net, batches(views(), 0, W * K))
+    exact = gradients(net)
+    gap = max_diff(ranks[0]["naive"], exact)
+    print(f"max |coupled - one process| {max_diff(ranks[0]['coupled'], exact):.2e}, naive accumulation's {gap:.2e}")
+    assert max_diff(ranks[0]["coupled"], exact) < TOLERANCE
+    assert max_diff(ranks[1]["coupled"], ranks[0]["coupled"]) == 0  # DDP's average: the same on both
+    assert gap > 1000 * TOLERANCE  # what the usual loop computes for this loss is another gradient
+    # the meter holds the global batch's loss once: on rank 0 (its sum over ranks is the row's loss)
+    assert ranks[0]["loss"] / (W * K * B) == pytest.approx(loss.item(), rel=1e-6) and ranks[1]["loss"] == 0
+
+
+def test_the_second_pass_draws_the_first_pass_s_dropout_masks():
+    one = Dist(0, 0, 1, torch.device("cpu"))
+    micro = batches(views(), 0, W * K)  # 1 process, 4 micro-batches
+    torch.manual_seed(5)
+    net = model(dropout=0.5)
+    state = torch.get_rng_state()
+    coupled_step(net, micro, one)
+    torch.set_rng_state(state)
+    exact = model(dropout=0.5)
+    torch.set_rng_state(state)
+    reference(exact, micro)
+    assert max_diff(gradients(net), gradients(exact)) < TOLERANCE
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_batchnorm_statistics_move_once_per_micro_batch_as_in_the_usual_loop():
+    one = Dist(0, 0, 1, torch.device("cpu"))
+    micro = batches(views(), 0, W * K)
+    net, exact = BatchNormNet(), BatchNormNet()
+    coupled_step(net, micro, one)
+    reference(exact, micro)  # each micro-batch's forward once, with graph
+    norm, norm_exact = net.layers[2], exact.layers[2]
+    assert int(norm.num_batches_tracked) == W * K
+    assert torch.allclose(norm.running_mean, norm_exact.running_mean, atol=1e-7)
+    assert torch.allclose(norm.running_var, norm_exact.running_var, atol=1e-7)
+    assert max_diff(gradients(net), gradients(exact)) < TOLERANCE  # per-micro-batch statistics in both passes
+
+
+def test_batchnorm_with_a_coupled_loss_is_said_to_be_inexact_once():
+    assert note(BatchNormNet(), K=2, world_size=1) is not None and "micro-batch by" in note(BatchNormNet(), 2, 1)
+    assert "micro-batch of each rank" in note(BatchNormNet(), 1, 2)
+    assert note(BatchNormNet(), K=1, world_size=1) is None  # one process, one micro-batch: the whole batch
+    assert note(model(), K=4, world_size=2) is None  # LayerNorm: exact at any allocation
+
+
+SIMCLR = ["+experiment=digits_simclr", "trainer.max_steps=6", "trainer.eval_every=3", "checkpoint.every=0"]
+
+
+@pytest.mark.slow
+def test_digits_simclr_on_2_ranks_x_k2_trains_what_one_process_trains(tmp_path):
+    run_in_process(tmp_path / "one", *SIMCLR, "optim=sgd", "optim.lr=0.5")
+    run_in_process(tmp_path / "two", *SIMCLR, "optim=sgd", "optim.lr=0.5", "accumulation.steps=2", nproc=2)
+    assert max_diff(weights(tmp_path / "one"), weights(tmp_path / "two")) < TOLERANCE
+    one, two = ([r for r in rows(tmp_path / d) if "val/knn_acc" in r] for d in ("one", "two"))
+    assert [r["val/knn_acc"] for r in one] == [r["val/knn_acc"] for r in two]
+    losses = [[r["loss"] for r in rows(tmp_path / d) if "loss" in r] for d in ("one", "two")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)

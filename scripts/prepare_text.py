@@ -4,6 +4,13 @@
         [--val-fraction F] [--test-fraction F] [--glob '*.py' ...] [--exclude test ...] [--seed S]
 
 writes DIR/train.bin, val.bin, test.bin, tokenizer.json and meta.json, and prints the throughput.
+
+The split is by document (a file is one): val takes --val-fraction of them, test --test-fraction,
+train the rest, each rounded, and a fraction above 0 takes at least one document while train keeps
+one (val before test): 3 files at the default 0.1 give train 1 / val 1 / test 1, 2 files train 1 /
+val 1 / no test. One file is refused unless --val-fraction 0 --test-fraction 0. data=tokens reads an
+empty split as one the corpus does not have: no val.bin documents, no evaluation; no test.bin
+documents, no test pass (each said once at the start).
 """
 
 import argparse
@@ -22,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes")
     parser.add_argument("--vocab-size", type=int, default=4096, help="bpe: the vocabulary's size")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="of the documents")
-    parser.add_argument("--test-fraction", type=float, default=None, help="of the documents (default: as val)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="of the documents (see the split above)")
+    parser.add_argument(
+        "--test-fraction", type=float, default=None, help="of the documents (default: as val; see the split above)"
+    )
     parser.add_argument("--glob", action="append", help="in folders (default: *.py and *.txt)")
     parser.add_argument("--exclude", action="append", default=[], help="skip folders of this name")
     parser.add_argument("--seed", type=int, default=0, help="of the split's permutation")
@@ -43,12 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    documents = meta["documents"]
     print(
-        f"{args.out}: {sum(meta['documents'].values())} documents, {meta['source_bytes'] / 1e6:.1f} MB, "
-        f"{meta['tokenizer']} tokenizer (vocabulary {meta['vocab_size']}), tokens "
+        f"{args.out}: {sum(documents.values())} documents ("
+        + ", ".join(f"{s} {n}" for s, n in documents.items())
+        + f"), {meta['source_bytes'] / 1e6:.1f} MB, {meta['tokenizer']} tokenizer (vocabulary "
+        f"{meta['vocab_size']}), tokens "
         + ", ".join(f"{s} {n:,}" for s, n in meta["tokens"].items())
         + f"; {meta['seconds']:.1f} s, {meta['mb_per_s']:.2f} MB/s"
     )
+    for split, consequence in (("val", "no evaluation"), ("test", "no test pass")):
+        if documents[split] == 0:
+            print(f"{split}: no document (--{split}-fraction, or too few files): data=tokens makes {consequence}")
     return 0
 
 

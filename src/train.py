@@ -62,7 +62,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
     eval_args = (cfg.data.num_workers, auto.enabled, mode == "fsdp")
     val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, *eval_args)
-    no_test, test_batches = heldout.skipped(test_set, cfg.data.name), None  # why there is no test pass, or None
+    no_test, test_batches = heldout.skipped(test_set, cfg.data.name, train_set), None  # why no test pass, or None
     if cfg.trainer.test and test_set is not None and not no_test:  # at the end; auto: from val's fitting batch
         test_batches = EvalBatches(test_set, d, lambda: val_batches.batch_size, *eval_args, what="test")
     steps_per_epoch = layout.windows(cfg.data.drop_last)

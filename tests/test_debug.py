@@ -121,3 +121,35 @@ def test_anomaly_on_one_ddp_rank_ends_both(tmp_path):
     assert proc.returncode == 3, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: rank 1: {NAMED}"), proc.stderr
+
+
+class _Indices:
+    """A data set that is not InMemory (debug.take's Kept path): sample i is i."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_limit_keeps_evenly_spaced_samples_not_the_first_ones():
+    """Issue 32: taking a split's first k samples passed every test (a shuffled digits split looks alike
+    either way); a split sorted by class (an image folder) would keep one class."""
+    import torch
+
+    from trainkit.data import InMemory
+
+    class Said:
+        def print0(self, text: str) -> None:
+            self.text = text
+
+    x = torch.arange(100.0).view(100, 1)
+    by_class = InMemory(x, torch.arange(100) // 25)  # sorted by class: the first 25 samples are class 0
+    said = Said()
+    train, val, test = debug.splits(compose_cfg("debug=limit").debug, (by_class, _Indices(), None), 8, said)
+    assert train.tensors[0].view(-1).tolist() == [i * 4 for i in range(25)]  # a quarter: every 4th sample
+    assert sorted(set(train.tensors[1].tolist())) == [0, 1, 2, 3]  # every class
+    assert [val[i] for i in range(len(val))] == [i * 10 for i in range(10)] and test is None  # a tenth, Kept
+    assert said.text.startswith("debug=limit: 25/100 train, 10/100 val (evenly spaced")
+    assert debug.kept(10, 3) == [0, 3, 6] and debug.kept(3, 5) == [0, 1, 2]

@@ -135,10 +135,26 @@ def test_classes_come_from_train_and_index_alike_in_every_split(folder, tmp_path
     assert splits[1][0][0].shape == (3, 16, 16)
     with pytest.raises(ConfigError, match=r"data.mean=\[0.5\] and data.std=\[0.25, 0.25, 0.25\] must have 3 values"):
         imagefolder.splits(str(folder), 16, mean=[0.5], std=[0.25] * 3)
-    # No test/: no test split, said in the summary.
+    # No test/: no test split; the train split says why (trainkit.heldout says it once, see below).
     two = make_folder(tmp_path / "two", {"train": 2, "val": 1})
     assert len(imagefolder.splits(str(two), 16)) == 2
-    assert "no test/ dir" in imagefolder.splits(str(two), 16)[0].summary
+    assert imagefolder.splits(str(two), 16)[0].no_test == f"data.root={two} has no test/ dir"
+    assert splits[0].no_test is None
+
+
+def test_a_folder_without_test_says_so_once_naming_the_missing_dir(tmp_path):
+    """Issue 32: "no test split" was said twice, the second time with the wrong cause ("its data.splits
+    returns train, val"), and eval.py said that cause too."""
+    two = make_folder(tmp_path / "images", {"train": 2, "val": 1})
+    args = ["data=image_folder", f"data.root={two}", "data.image_size=16", "model=mlp", "data.num_workers=0"]
+    out = run_in_process(tmp_path / "run", *args, "trainer.max_steps=1", "checkpoint.every=0")
+    said = f"trainer.test: data=image_folder has no test split (data.root={two} has no test/ dir): no test pass"
+    assert out.count("no test split") == 1 and said in out and "(6 train / 3 val / no test)" in out
+    with pytest.raises(ConfigError) as refused:
+        run_in_process(tmp_path / "eval", f"run_dir={tmp_path / 'run'}", script="eval")  # split=test
+    assert str(refused.value) == (
+        f"split=test: data=image_folder of {tmp_path / 'run'} has no test split (data.root={two} has no test/ dir)"
+    )
 
 
 def test_null_mean_and_std_are_the_train_images_statistics(folder):
@@ -248,3 +264,53 @@ def test_a_resume_on_a_changed_folder_is_refused_naming_it(folder, tmp_path, cap
         line.startswith("error: checkpoint.resume: the checkpoint was written with data.folder=")
         and str(changed) in line
     )
+
+
+def spoil(path: Path, how: str) -> None:
+    if how == "not an image":  # e.g. an HTML error page saved as .jpg
+        path.write_text("<html>404 Not Found</html>\n")
+    else:  # "cut short": the header reads (Image.open), the pixels do not (ImageFolder's loader, mid-run)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_an_unreadable_image_is_named_in_one_line_before_any_step(tmp_path, capsys):
+    """Issue 32: a .jpg that is no JPEG was PIL's 76-line UnidentifiedImageError at the start, or mid-training
+    (64 lines, no error.txt) where data.mean/std were given."""
+    root = make_folder(tmp_path / "images", {"train": 2, "val": 1})
+    spoil(root / "train" / "bee" / "1.png", "not an image")
+    spoil(root / "val" / "cat" / "0.png", "not an image")
+    with pytest.raises(ConfigError) as error:
+        imagefolder.splits(str(root), 16, mean=[0.5] * 3, std=[0.25] * 3)
+    assert str(error.value) == (
+        f"data.root={root}: train/bee/1.png is not an image PIL can read (cannot identify image file) "
+        "(1 more: val/cat/0.png): replace or remove it"
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # as Hydra makes it before the task: a refused run removes it
+    with pytest.raises(SystemExit) as refused:
+        run_in_process(run_dir, "data=image_folder", f"data.root={root}", "data.image_size=16", "model=mlp")
+    assert refused.value.code == 2 and not run_dir.exists()
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {error.value}"]
+    # Cut short after its header: the check passes it; the computed mean/std decode it before any step.
+    root = make_folder(tmp_path / "cut", {"train": 2, "val": 1})
+    spoil(root / "train" / "cat" / "1.png", "cut short")
+    with pytest.raises(ConfigError, match=r"^data.root: .*/train/cat/1.png is not an image PIL can read \("):
+        imagefolder.splits(str(root), 16)
+
+
+def test_an_image_cut_short_fails_mid_training_in_one_line_with_error_txt(tmp_path, capsys):
+    root = make_folder(tmp_path / "images", {"train": 2, "val": 1})
+    path = root / "train" / "cat" / "1.png"
+    spoil(path, "cut short")
+    given = ["data.mean=[0.5,0.5,0.5]", "data.std=[0.25,0.25,0.25]"]  # no decode at the start
+    args = ["data=image_folder", f"data.root={root}", "data.image_size=16", "model=mlp", *given, "data.batch_size=3"]
+    with pytest.raises(SystemExit) as failed:  # 2 steps: one epoch, every image; loaded in 2 worker processes
+        run_in_process(tmp_path / "run", *args, "data.num_workers=2", "trainer.max_steps=2", "checkpoint.every=1")
+    line = f"data.root: {path} is not an image PIL can read ("  # PIL's why: "image file is truncated (...)"
+    assert failed.value.code == 3
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(f"error: {line}") and error.endswith("): replace or remove it")
+    assert (tmp_path / "run" / "error.txt").read_text().startswith(line)
+    with pytest.raises(imagefolder.UnreadableImage) as raised:  # in this process (data.num_workers=0)
+        imagefolder.load_rgb(str(path))
+    assert str(raised.value) == error.removeprefix("error: ")

@@ -68,6 +68,30 @@ def test_an_unknown_name_is_one_line_with_close_matches(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "name,why,fit",
+    [
+        ("convnext_atto", "Kernel size: (2 x 2). Kernel size can't be greater than actual input size", 32),
+        ("vit_tiny_patch16_224", "Kernel size: (16 x 16). Kernel size can't be greater than actual input size", 16),
+    ],
+)
+def test_a_model_that_cannot_take_the_data_is_one_line_before_the_run_dir(tmp_path, capsys, name, why, fit):
+    """Issue 32: on digits' 8x8 the summary said "FLOPs: not measured (...)", then the first forward's 71-89
+    line traceback, exit 1, and a run dir was left."""
+    with pytest.raises(ConfigError) as error:
+        timm_model(name, 10, 1, img_size=8)
+    said = str(error.value)
+    assert said.startswith(f"model.name={name} does not take data.shape=[1,8,8] (Calculated padded input size")
+    assert why in said and f"the smallest square input it takes is {fit}x{fit} (of 16, 32, ..., 1024)" in said
+    timm_model(name, 10, 1, img_size=fit)  # which fits
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # as Hydra makes it before the task: a refused run removes it
+    with pytest.raises(SystemExit) as refused:
+        run_in_process(run_dir, "model=timm", f"model.name={name}", "trainer.max_steps=1")  # data=digits
+    assert refused.value.code == 2 and not run_dir.exists()
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {said}"]
+
+
 def test_pretrained_weights_out_of_reach_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a download in the suite, network or not
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache

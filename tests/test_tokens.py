@@ -267,3 +267,84 @@ def test_a_token_corpus_reports_accuracy_per_token_and_no_bits_per_character():
     # sums: loss 6.0 over 4 tokens, 1 of 2 sequences right, 3 of the 4 tokens right
     assert task.eval_metrics([6.0, 4.0, 1.0, 2.0, 3.0]) == {"loss": 1.5, "acc": 0.75}
     assert task.metrics == {"loss": "min", "acc": "max"}
+
+
+def _script():
+    """scripts/prepare_text.py as a module (its main(argv) -> exit status), in this process."""
+    import importlib.util
+
+    from helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("prepare_text", ROOT / "scripts" / "prepare_text.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_few_documents_give_val_one_each_and_an_empty_split_is_one_the_corpus_has_not(tmp_path, capsys):
+    """Issue 32: 3 files at the default --val-fraction 0.1 wrote empty val.bin and test.bin (round(0.3) = 0)
+    and data=tokens died in numpy's `cannot mmap an empty file`."""
+    sources = write_sources(tmp_path / "src")
+    files = sorted(sources.rglob("f0[0-2].*"))
+    script = _script()
+    documents = {}
+    for n in (3, 2):
+        assert script.main([*map(str, files[:n]), "--out", str(tmp_path / str(n))]) == 0
+        documents[n] = json.loads((tmp_path / str(n) / "meta.json").read_text())["documents"]
+    assert documents == {3: {"train": 1, "val": 1, "test": 1}, 2: {"train": 1, "val": 1, "test": 0}}
+    assert capsys.readouterr().out.count("test: no document") == 1  # the 2 files' corpus says so
+    assert script.main([str(files[0]), "--out", str(tmp_path / "1")]) == 2  # one document: refused in one line
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "error: 1 document: --val-fraction 0.1 leaves val none (the split is by document and train keeps one): give "
+        "more files, or --val-fraction 0 --test-fraction 0 to train without evaluation"
+    )
+    # Asked for: one document, no val and no test. data=tokens reads the empty files as splits it has not.
+    only = tmp_path / "only"
+    assert script.main([str(files[0]), "--out", str(only), "--val-fraction", "0", "--test-fraction", "0"]) == 0
+    train, val, test = tokens.splits(str(only), block_size=16)
+    assert len(val) == 0 and test is None and "val.bin holds no token to predict: no evaluation" in train.summary
+    assert train.no_test == f"test.bin of {only} holds no document"
+    assert pickle.loads(pickle.dumps(val)).tokens.size == 0  # to a loader worker, as a mapped split goes
+    out = run_in_process(tmp_path / "run", *lm(only, "trainer.max_steps=2", "checkpoint.every=0", "data.batch_size=4"))
+    said = f"trainer.test: data=tokens has no test split (test.bin of {only} holds no document): no test pass"
+    assert out.count("no test split") == 1 and said in out
+    assert "done: 2 steps, no validation split" in out
+    train, val, test = tokens.splits(str(tmp_path / "2"), block_size=16)  # 2 files: val, no test
+    assert len(val) > 0 and test is None
+
+
+def test_every_training_block_lies_in_the_split_and_every_start_is_drawn():
+    """Issue 32: a block drawn one offset too far (its end past the split's last token) went unnoticed."""
+    n, b = 40, 8  # 32 starts, 0 .. 31: the last block's last target is the split's last token
+    blocks = tokens.RandomBlocks(np.arange(n, dtype=np.uint16), b)
+    assert len(blocks) == (n - 1) // b
+    starts = set()
+    for seed in [*range(3 * n), 2**62 + 5, 2**63 - 1]:  # every residue, and the 63-bit seeds SeededBatches mixes
+        x, y = blocks.seeded(0, seed)
+        assert x.shape == y.shape == (b,) and torch.equal(y, x + 1), seed  # the next token of each, all in the split
+        starts.add(int(x[0]))
+    assert starts == set(range(n - b))
+    torch.manual_seed(0)
+    drawn = [blocks[0] for _ in range(400)]  # outside the train loader: torch's generator
+    assert all(x.shape == (b,) and torch.equal(y, x + 1) for x, y in drawn)
+    assert {int(x[0]) for x, _ in drawn} == set(range(n - b))
+
+
+def test_a_uint32_corpus_reads_the_same_tokens_as_uint16(corpora, tmp_path, monkeypatch):
+    """Issue 32: every corpus in the suite was uint16; one past 65,536 ids is uint32 on disk."""
+    from trainkit import corpus
+
+    assert corpus.token_dtype(1 << 16) == np.uint16 and corpus.token_dtype((1 << 16) + 1) == np.uint32
+    monkeypatch.setattr(corpus, "token_dtype", lambda size: np.dtype(np.uint32))  # 257 ids written as a wide corpus
+    sources = corpora["bytes"].parent / "src"
+    prepare([str(sources)], str(tmp_path), "bytes", val_fraction=1 / 6, progress=False)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["dtype"] == "uint32" and (tmp_path / "val.bin").stat().st_size == 4 * meta["tokens"]["val"]
+    wide, narrow = tokens.splits(str(tmp_path), block_size=16), tokens.splits(str(corpora["bytes"]), block_size=16)
+    for a, b in zip(wide, narrow, strict=True):
+        assert a.tokens.dtype == np.uint32 and np.array_equal(a.tokens, b.tokens)
+        assert np.array_equal(pickle.loads(pickle.dumps(a)).tokens, b.tokens)  # re-mapped in a loader worker
+    for i in range(len(narrow[1])):
+        assert all(torch.equal(p, q) for p, q in zip(wide[1][i], narrow[1][i], strict=True))
+    assert all(torch.equal(wide[0].seeded(i, 7 * i)[0], narrow[0].seeded(i, 7 * i)[0]) for i in range(len(narrow[0])))

@@ -3,9 +3,14 @@
 
 The split is by document and fixed: a permutation seeded by --seed of the sorted file list, val its
 first --val-fraction of the documents, test the next --test-fraction, train the rest (each split then
-in sorted order). The BPE is trained on the train documents only (no held-out text shapes the
-vocabulary). Each document is followed by the end-of-text token. Tokens are written as they are
-encoded, a file at a time: memory holds one document, not the corpus.
+in sorted order). A held-out split asked for (fraction > 0) gets at least one document while train
+keeps one, val before test: 3 files at the default 0.1 give 1 / 1 / 1, 2 files 1 train and 1 val (no
+test: data=tokens then makes no test pass, said once); one document with --val-fraction > 0 is refused
+(nothing would be left for val: --val-fraction 0 --test-fraction 0 trains on it without evaluation).
+An empty split is written as an empty .bin: data=tokens reads it as a split the corpus does not have.
+The BPE is trained on the train documents only (no held-out text shapes the vocabulary). Each
+document is followed by the end-of-text token. Tokens are written as they are encoded, a file at a
+time: memory holds one document, not the corpus.
 """
 
 import hashlib
@@ -39,16 +44,38 @@ def find_files(inputs: list[str], patterns: list[str], exclude: list[str]) -> li
     return sorted(found)
 
 
-def split_files(files: list[Path], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[Path]]:
+def split_sizes(n: int, val_fraction: float, test_fraction: float) -> tuple[int, int]:
+    """(val, test) documents of `n`: each fraction of n rounded, and at least one for a fraction > 0
+    while train keeps one (val first). A ConfigError where train or a val asked for gets none."""
     for key, value in (("--val-fraction", val_fraction), ("--test-fraction", test_fraction)):
         if not 0 <= value < 1:
             raise ConfigError(f"{key}={value} must be >= 0 and < 1")
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    if n_val + n_test >= n:
+        raise ConfigError(f"{n} files: --val-fraction and --test-fraction leave none to train on")
+    if val_fraction > 0 and n_val == 0 and n - n_test >= 2:
+        n_val = 1
+    if test_fraction > 0 and n_test == 0 and n - n_val >= 2:
+        n_test = 1
+    if val_fraction > 0 and n_val == 0:
+        raise ConfigError(
+            f"{n} document{'s' if n > 1 else ''}: --val-fraction {val_fraction:g} leaves val none (the split is by "
+            "document and train keeps one): give more files, or --val-fraction 0 --test-fraction 0 to train "
+            "without evaluation"
+        )
+    return n_val, n_test
+
+
+def split_files(files: list[Path], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[Path]]:
     order = np.random.RandomState(seed).permutation(len(files))
-    n_val, n_test = round(len(files) * val_fraction), round(len(files) * test_fraction)
-    if n_val + n_test >= len(files):
-        raise ConfigError(f"{len(files)} files: --val-fraction and --test-fraction leave none to train on")
+    n_val, n_test = split_sizes(len(files), val_fraction, test_fraction)
     picked = {"val": order[:n_val], "test": order[n_val : n_val + n_test], "train": order[n_val + n_test :]}
     return {split: [files[i] for i in sorted(picked[split])] for split in SPLITS}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The .bin files' integer type: uint16 while every id fits (ids 0 .. vocab_size - 1), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def read(path: Path) -> str:
@@ -100,7 +127,7 @@ def prepare(
         raise ConfigError(f"--tokenizer={tokenizer} must be bytes or bpe")
     (folder / TOKENIZER_FILE).write_text(tokenizer_text)
     codec = Codec(tokenizer, tokenizer_text if tokenizer == "bpe" else None)
-    dtype = np.uint16 if codec.size <= 65536 else np.uint32
+    dtype = token_dtype(codec.size)
     sources = hashlib.sha256()  # names relative to the files' common folder: the same corpus wherever it lies
     common = Path(os.path.commonpath([path.parent for path in files]))
     tokens, size = {}, 0

@@ -24,13 +24,21 @@ def unpack(splits: Sequence[Any], name: str) -> tuple[Any, Any, Any | None]:
     return train, val, (rest[0] if rest else None)
 
 
-def skipped(test_set: Any | None, name: str) -> str | None:
+def missing(test_set: Any | None, train_set: Any = None) -> str | None:
+    """Why there is no test split, where the test split is None or empty, else None: the data set's own
+    word where its train split has a `no_test` (an image folder without test/, a corpus whose test.bin
+    holds no document), else what data.splits returned."""
+    if test_set is not None and len(test_set) > 0:
+        return None
+    if why := getattr(train_set, "no_test", None):
+        return why
+    return "its data.splits returns train, val" if test_set is None else "its test split is empty"
+
+
+def skipped(test_set: Any | None, name: str, train_set: Any = None) -> str | None:
     """Why a run with trainer.test=true makes no test pass (said once at its start), or None when it makes one."""
-    if test_set is None:
-        return f"trainer.test: data={name} has no test split (its data.splits returns train, val): no test pass"
-    if len(test_set) == 0:
-        return f"trainer.test: the test split of data={name} is empty: no test pass"
-    return None
+    why = missing(test_set, train_set)
+    return None if why is None else f"trainer.test: data={name} has no test split ({why}): no test pass"
 
 
 def size(test_set: Any | None) -> str:

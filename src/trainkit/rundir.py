@@ -65,12 +65,11 @@ def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> t
     each rank a contiguous shard (every sample once, rank order is dataset order), at cfg.batch_size
     or the run's (auto: where the run's search started, halved alike)."""
     with d.rank0_first():  # rank 0 prepares (downloads) the data first
-        dataset = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)[heldout.SPLITS.index(cfg.split)]
-    if dataset is None:
-        raise ConfigError(
-            f"split=test: data={run_cfg.data.name} of {cfg.run_dir} has no test split (its data.splits returns "
-            "train, val)"
-        )
+        splits = heldout.unpack(instantiate(run_cfg.data.splits), run_cfg.data.name)
+    dataset = splits[heldout.SPLITS.index(cfg.split)]
+    why = heldout.missing(dataset, splits[0]) if cfg.split == "test" else None  # val and train: never None
+    if why is not None or dataset is None:
+        raise ConfigError(f"split=test: data={run_cfg.data.name} of {cfg.run_dir} has no test split ({why})")
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {cfg.run_dir} holds no samples")
     batch_size = cfg.batch_size or run_cfg.data.batch_size

@@ -12,12 +12,19 @@ Why a module of its own: timm's models need three things trainkit's own models b
   same bit for bit). timm's own set_grad_checkpointing would update them twice.
 - Arguments: timm's builders pass keyword arguments through to the model class, and which ones a class
   takes is known only by building it: `img_size` is tried and dropped where the class refuses it.
+- The data's input: an architecture that cannot take the data's size (convnext_atto or
+  vit_tiny_patch16_224 on digits' 8x8: a kernel larger than what is left of the image) would fail in
+  the run's first forward, after its run dir is made. `check_input` runs the model once on the meta
+  device (shapes only, no arithmetic: 0.1-0.2 s for convnext_tiny or vit_base at 224, where a CPU
+  forward of one sample took 1-3 s here) and refuses it in one line naming model.name, data.shape and
+  the smallest square size it takes, before the run dir is claimed (exit 2; eval.py, predict.py alike).
 """
 
 import difflib
 from contextlib import nullcontext
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,12 +54,14 @@ def timm_model(
         raise ConfigError(f"model.name={name} is not a timm model{hint} (all: timm.list_models('PATTERN'))")
     args: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans, **(kwargs or {}))
     sized = args | ({"img_size": img_size} if img_size is not None else {})
+    takes_size = img_size is not None  # a ViT is built for one size; a CNN takes any
     try:
         try:
             model = timm.create_model(name, pretrained, **sized)
         except TypeError as error:
             if img_size is None or "img_size" not in str(error):
                 raise
+            takes_size = False
             model = timm.create_model(name, pretrained, **args)  # the architecture takes any size (a CNN)
     except OSError as error:  # the hub's download or cache lookup (requests' errors are OSErrors too)
         first = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
@@ -60,12 +69,65 @@ def timm_model(
             f"model.pretrained=true: no weights for {name} ({first}); timm takes them from the Hugging Face "
             "hub: the network, or its cache filled beforehand (HF_HOME)"
         ) from None
+    if img_size is not None:  # the data's shape is [in_chans, img_size, img_size] (config.check)
+        check_input(model, name, args, takes_size, in_chans, img_size)
     units = block_classes(model)
     model.shard_units = units or None  # type: ignore[assignment]  # None: trainkit's default units
     if activation_checkpointing:
         for block in outermost(model, units):
             checkpoint_forward(block)
     return model
+
+
+FIT_SIZES = (16, 32, 64, 128, 224, 256, 384, 512, 1024)  # the square sizes tried for "what would fit"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+
+
+def _meta_forward(name: str, args: dict, sized: bool, in_chans: int, size: int) -> str | None:
+    """Build `name` on the meta device (no weights allocated, none initialised) and run one sample of
+    in_chans x size x size through it (shapes only): None where it fits, else the error's first line."""
+    import timm
+
+    with torch.random.fork_rng(devices=[]):  # whatever a builder draws, the run's generator stays as it was
+        kwargs: dict[str, Any] = args | ({"img_size": size} if sized else {})
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name, False, **kwargs)
+                model.eval()
+                with torch.no_grad():
+                    model(torch.zeros(1, in_chans, size, size))
+        except Exception as error:  # what the run's first forward would raise
+            return _first_line(error)
+    return None
+
+
+def check_input(model: nn.Module, name: str, args: dict, sized: bool, in_chans: int, img_size: int) -> None:
+    """A ConfigError, one line, where timm's `name` cannot take data.shape=[in_chans, img_size, img_size]
+    (see the module's docstring), naming the smallest of FIT_SIZES that fits. `sized`: built for
+    img_size (a ViT). A failure on the meta device is confirmed by a forward of `model` itself (eval
+    mode, no gradient: nothing in it changes) before it is said: a builder the meta device cannot run
+    must not refuse a model that fits."""
+    if _meta_forward(name, args, sized, in_chans, img_size) is None:
+        return
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()(torch.zeros(1, in_chans, img_size, img_size))
+        return
+    except Exception as error:
+        said = _first_line(error)
+    finally:
+        model.train(training)
+    sizes = f"{FIT_SIZES[0]}, {FIT_SIZES[1]}, ..., {FIT_SIZES[-1]}"
+    fit = next((s for s in FIT_SIZES if s > img_size and _meta_forward(name, args, sized, in_chans, s) is None), None)
+    takes = f"the smallest square input it takes is {fit}x{fit} (of {sizes})" if fit else f"none of {sizes} fits it"
+    raise ConfigError(
+        f"model.name={name} does not take data.shape=[{in_chans},{img_size},{img_size}] ({said}): {takes}; "
+        "larger images (an image folder's data.image_size) or another model.name"
+    )
 
 
 def close_names(name: str, names: list[str], n: int = 5) -> list[str]:

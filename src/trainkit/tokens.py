@@ -114,8 +114,9 @@ def vocab_size(root) -> int:
     return int(read_meta(root)["vocab_size"])
 
 
-def open_split(root, meta: dict, split: str) -> np.memmap:
-    """The split's tokens, memory-mapped (read-only), after checking the file's size against meta."""
+def open_split(root, meta: dict, split: str) -> np.ndarray:
+    """The split's tokens, memory-mapped (read-only), after checking the file's size against meta; an
+    empty file (a split with no document) an empty array: numpy maps no empty file."""
     path = Path(str(root)) / f"{split}.bin"
     if not path.is_file():
         raise ConfigError(f"data.root={root} has no {split}.bin (meta.json lists it): prepare it again")
@@ -126,6 +127,8 @@ def open_split(root, meta: dict, split: str) -> np.memmap:
             f"data.root={root}: {split}.bin holds {path.stat().st_size} bytes, meta.json says {tokens} tokens "
             f"of {dtype.name} ({tokens * dtype.itemsize} bytes): prepare it again"
         )
+    if tokens == 0:
+        return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
 
 
@@ -134,22 +137,27 @@ def _long(piece: np.ndarray) -> torch.Tensor:
 
 
 class _Split:
-    """`identity`, `files`, `summary`: what train.py records of the train split (see text._Split)."""
+    """`identity`, `files`, `summary`: what train.py records of the train split (see text._Split);
+    `no_test`: why the corpus has no test split (trainkit.heldout), None when it has one."""
 
     identity: dict = {}
     files: dict[str, str] = {}
     summary = ""
-    tokens: np.memmap
+    no_test: str | None = None
+    tokens: np.ndarray
 
     def __getstate__(self) -> dict:
         """Pickled (a spawned loader worker) as its file, re-mapped on arrival: numpy pickles a memmap's data."""
         state = self.__dict__.copy()
-        state["tokens"] = (self.tokens.filename, self.tokens.dtype.str, len(self.tokens))
+        if isinstance(self.tokens, np.memmap):  # else an empty split's array: pickled as it is
+            state["tokens"] = (self.tokens.filename, self.tokens.dtype.str, len(self.tokens))
         return state
 
     def __setstate__(self, state: dict) -> None:
-        filename, dtype, count = state["tokens"]
-        self.__dict__ |= state | {"tokens": np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=(count,))}
+        if isinstance(state["tokens"], tuple):
+            filename, dtype, count = state["tokens"]
+            state = state | {"tokens": np.memmap(filename, dtype=np.dtype(dtype), mode="r", shape=(count,))}
+        self.__dict__ |= state
 
 
 class RandomBlocks(_Split, Dataset):
@@ -159,7 +167,7 @@ class RandomBlocks(_Split, Dataset):
 
     draws_random = "seed"
 
-    def __init__(self, tokens: np.memmap, block_size: int):
+    def __init__(self, tokens: np.ndarray, block_size: int):
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:
@@ -181,7 +189,7 @@ class Tiles(_Split, Dataset):
 
     draws_random = False
 
-    def __init__(self, tokens: np.memmap, block_size: int, eot: int):
+    def __init__(self, tokens: np.ndarray, block_size: int, eot: int):
         self.tokens, self.block_size, self.eot = tokens, block_size, eot
 
     def __len__(self) -> int:
@@ -202,9 +210,11 @@ def _tokenizer_text(path: str, mtime: float) -> str:
     return Path(path).read_text()
 
 
-def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tuple[Dataset, Dataset, Dataset]:
+def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tuple[Dataset, Dataset, Dataset | None]:
     """The train, val and test blocks of the corpus in `root` (train: random blocks, or tiles where
-    not `random_offsets`); the train split carries the identity, the files and the summary."""
+    not `random_offsets`); the train split carries the identity, the files and the summary. A val.bin
+    without a document is an empty val split (the run trains without evaluation), a test.bin without
+    one no test split (None; the train split's `no_test` says why, trainkit.heldout)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ConfigError(f"data.block_size={block_size} must be an integer >= 2")
     meta = read_meta(root)
@@ -228,6 +238,10 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
         RandomBlocks(tokens["train"], block_size) if random_offsets else Tiles(tokens["train"], block_size, codec.eot)
     )
     val, test = Tiles(tokens["val"], block_size, codec.eot), Tiles(tokens["test"], block_size, codec.eot)
+    if len(test) == 0:  # no document (prepare_text.py: too few files, or --test-fraction 0), or one empty file
+        held = meta["documents"]["test"]
+        holds = f"{held} document(s) but no token to predict" if held else "no document"
+        train.no_test = f"test.bin of {root} holds {holds}"
     source = f"{folder.resolve()} ({meta['tokenizer']} tokenizer, sha256 {tokenizer_sha[:12]})"
     train.identity = {
         "data.tokens": {"sha256": meta["sha256"]["train"], "source": f"train.bin of {folder.resolve()}"},
@@ -236,4 +250,6 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
     train.files = {META_FILE: (folder / META_FILE).read_text(), TOKENIZER_FILE: tokenizer_text}
     counts = ", ".join(f"{s} {meta['documents'][s]} documents ({meta['tokens'][s]:,} tokens)" for s in SPLITS)
     train.summary = f"data: {source}, vocabulary {codec.size}, {meta['dtype']}; {counts}"
-    return train, val, test
+    if len(val) == 0:
+        train.summary += "; val.bin holds no token to predict: no evaluation (prepare_text.py --val-fraction > 0)"
+    return train, val, (None if len(test) == 0 else test)

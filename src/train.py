@@ -217,7 +217,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 lr = scheduler.get_last_lr()[0]
                 # All ranks decide together: a rank skipping alone would hang the others. Only skip
                 # and fp16 need it before the step (a host sync); raise checks per row (guard.check).
-                outcome = guard.decide(meter.window_loss, grad_norm, step + 1)
+                outcome = guard.decide(meter, grad_norm, step + 1)
                 if outcome == "step":
                     scaler.step(optimizer)
                     scaler.update()

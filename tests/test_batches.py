@@ -51,6 +51,18 @@ def test_every_shape_is_walked_kept_and_joined():
     assert to_device(collated, torch.device("cpu")).tokens.equal(collated.tokens)
 
 
+def test_to_device_moves_what_is_elsewhere_and_keeps_what_is_there():
+    # A tensor already on the device is kept as it is (no .to call per micro-batch); any other is moved, in every
+    # shape: the "meta" device stands in for a second device on a CPU-only machine.
+    x, y = torch.ones(2, 3), torch.arange(2)
+    kept = to_device((x, y), torch.device("cpu"))
+    assert type(kept) is tuple and kept[0] is x and kept[1] is y
+    for batch in ((x, y), [x, y], {"x": x, "y": [y]}, Pair(x, y), Sample(x, {"mask": y})):
+        moved = leaves(to_device(batch, torch.device("meta")))
+        assert [t.device.type for t in moved] == ["meta", "meta"] and [t.shape for t in moved] == [x.shape, y.shape]
+    assert type(to_device([x, y], torch.device("meta"))) is list
+
+
 def test_a_pair_unpacks_by_default_and_any_other_shape_needs_the_task_to_say():
     x, y = torch.zeros(2, 3), torch.zeros(2)
     assert unpack(Classification(), (x, y)) == (x, y)

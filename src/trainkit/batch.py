@@ -31,6 +31,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """The batch with `fn` applied to each tensor, its structure (and anything not a tensor) kept."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the common (x, y) first (is_dataclass costs ~0.5 us); exact: not a named tuple
+        return kind([map_tensors(fn, value) for value in batch])
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(batch, **{f.name: map_tensors(fn, getattr(batch, f.name)) for f in _fields(batch)})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
@@ -43,7 +46,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
+    """The batch on `device`; a tensor already there is kept as it is (what `.to` returns, without its ~0.6 us)."""
+    return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), batch)
 
 
 def emptied(batch: Any) -> Any:

@@ -75,12 +75,14 @@ class EMA:
             self.average = {name: p.detach().clone() for name, p in names.items()}
             self.buffer_copy = {name: b.detach().clone() for name, b in module.named_buffers()} if self.enabled else {}
 
-    @torch.no_grad()
     def update(self) -> None:
         """After an optimizer step that was taken: average := lerp(average, weights, 1 - decay_n), on
-        each rank's own elements; buffers copied."""
-        if not self.enabled:
-            return
+        each rank's own elements; buffers copied. Off: returns before entering no_grad (~2.5 us a step)."""
+        if self.enabled:
+            self._update()
+
+    @torch.no_grad()
+    def _update(self) -> None:
         weight = 1.0 - warmed_up(self.decay, self.updates)  # type: ignore[arg-type]  # enabled: a float
         torch._foreach_lerp_([_local(a) for a in self.average.values()], [_local(p) for p in self.params], weight)
         _copy(list(self.buffer_copy.values()), self.buffers)

@@ -22,10 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from trainkit.contrastive import Contrastive, SimCLR, digits_bank, knn_predict  # noqa: E402
 from trainkit.coupled import CoupledWindows  # noqa: E402
-from trainkit.data import digits  # noqa: E402
+from trainkit.data.digits import digits  # noqa: E402
+from trainkit.data.digits_views import digits_bank
 from trainkit.dist import Dist  # noqa: E402
+from trainkit.models.simclr import SimCLR
+from trainkit.tasks.contrastive import Contrastive, knn_predict  # noqa: E402
 
 ONE = Dist(0, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 

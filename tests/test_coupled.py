@@ -16,9 +16,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import max_diff, rows, run_distributed, run_in_process, weights
-from trainkit.contrastive import Contrastive, SimCLR
 from trainkit.coupled import CoupledWindows, note
 from trainkit.dist import Dist
+from trainkit.models.simclr import SimCLR
+from trainkit.tasks.contrastive import Contrastive
 
 B, K, W = 4, 2, 2  # micro-batch, micro-batches per rank, ranks: a global batch of 16 samples
 TOLERANCE = 1e-5

@@ -103,14 +103,18 @@ def knn_predict(queries: torch.Tensor, bank: torch.Tensor, labels: torch.Tensor,
 
 
 class DigitsViews(Dataset):
-    """Two random views of each image: shifted by up to `shift` pixels (zero padding), intensity scaled by a
-    factor in [1 - contrast, 1 + contrast], Gaussian noise of `noise`. The draws come from torch's generator,
-    which SeededBatches seeds per sample from (seed, epoch, index): the same views at any allocation."""
+    """Two random views of each image: a random affine map (rotated by up to `rotation` degrees, scaled by a
+    factor in [1 - scale, 1 + scale], shifted by up to `shift` pixels each way; bilinear, zero outside), intensity
+    scaled by a factor in [1 - contrast, 1 + contrast], Gaussian noise of `noise`. Rotation and scale are what
+    make the encoder's embedding better than the pixels for kNN (README: Contrastive learning); a shift alone
+    teaches little beyond them. The draws come from torch's generator, which SeededBatches seeds per sample from
+    (seed, epoch, index): the same views at any allocation."""
 
     draws_random = "torch"
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, shift=1, contrast=0.3, noise=0.1):
-        self.images, self.labels, self.shift, self.contrast, self.noise = images, labels, shift, contrast, noise
+    def __init__(self, images, labels, shift=1.0, rotation=15.0, scale=0.15, contrast=0.3, noise=0.1):
+        self.images, self.labels = images, labels
+        self.shift, self.rotation, self.scale, self.contrast, self.noise = shift, rotation, scale, contrast, noise
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -120,10 +124,15 @@ class DigitsViews(Dataset):
         return {"views": torch.stack([self._view(image), self._view(image)]), "label": self.labels[index]}
 
     def _view(self, image: torch.Tensor) -> torch.Tensor:
-        s, (h, w) = self.shift, image.shape[-2:]
-        dy, dx = torch.randint(0, 2 * s + 1, (2,)).tolist()
-        view = F.pad(image, (s, s, s, s))[..., dy : dy + h, dx : dx + w]
-        view = view * (1 + self.contrast * (2 * torch.rand(()) - 1))
+        angle, scale, dy, dx, contrast = (2 * torch.rand(5) - 1).tolist()
+        angle, scale = math.radians(self.rotation * angle), 1 + self.scale * scale
+        h, w = image.shape[-2:]
+        cos, sin = math.cos(angle) / scale, math.sin(angle) / scale
+        # affine_grid's coordinates run from -1 to 1 across the image: a pixel is 2 / size of them
+        theta = torch.tensor([[[cos, -sin, 2 * self.shift * dx / w], [sin, cos, 2 * self.shift * dy / h]]])
+        grid = F.affine_grid(theta, [1, *image.shape], align_corners=False)
+        view = F.grid_sample(image[None], grid, align_corners=False)[0]
+        view = view * (1 + self.contrast * contrast)
         return view + self.noise * torch.randn_like(view)
 
 
@@ -139,14 +148,24 @@ def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> Datase
 
 
 class SimCLR(nn.Module):
-    """An MLP encoder with LayerNorm (exact at any allocation, unlike BatchNorm) and a projection head. Train
-    mode: the head's projections (what NT-Xent reads); eval mode: the encoder's embeddings (what kNN reads)."""
+    """An encoder and a projection head. Train mode: the head's projections (what NT-Xent reads); eval mode: the
+    encoder's embeddings (what kNN reads). The encoder: with `channels`, three 3x3 convolutions (channels, 2x,
+    4x; GroupNorm, a 2x2 max-pool after the second) and a linear layer to `width`; else an MLP of `depth`
+    layers. LayerNorm and GroupNorm, not BatchNorm: a sample's embedding depends on it alone, so the coupled
+    loss is exact at any allocation."""
 
-    def __init__(self, in_shape, width: int = 256, depth: int = 2, dim: int = 64, dropout: float = 0.0):
+    def __init__(self, in_shape, width=256, depth=2, dim=64, dropout=0.0, channels: int | None = None):
         super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
+        layers: list[nn.Module] = []
         features = math.prod(in_shape)
-        for _ in range(depth):
+        if channels:
+            c, groups = channels, min(8, channels)
+            for c_in, c_out, pool in ((in_shape[0], c, False), (c, 2 * c, True), (2 * c, 4 * c, False)):
+                layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.GroupNorm(groups, c_out), nn.ReLU()]
+                layers += [nn.MaxPool2d(2)] if pool else []
+            features = 4 * c * (in_shape[1] // 2) * (in_shape[2] // 2)
+        layers.append(nn.Flatten())
+        for _ in range(1 if channels else depth):
             layers += [nn.Linear(features, width), nn.LayerNorm(width), nn.ReLU(), nn.Dropout(dropout)]
             features = width
         self.encoder = nn.Sequential(*layers)

@@ -85,8 +85,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]  # scripts: tensor_splits as a Hydra _target_
 from train import train  # noqa: E402
 from trainkit import metrics  # noqa: E402
-from trainkit.data import collate_fn  # noqa: E402
 from trainkit.dist import Dist  # noqa: E402
+from trainkit.loading import collate_fn  # noqa: E402
 from trainkit.parallel import wrap  # noqa: E402
 
 VARIANTS = {

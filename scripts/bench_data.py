@@ -40,8 +40,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from trainkit import corpus, imagefolder, tokens  # noqa: E402
-from trainkit.data import TrainLoader, length  # noqa: E402
+from trainkit.data import corpus, tokens  # noqa: E402
+from trainkit.data import image_folder as imagefolder  # noqa: E402
+from trainkit.loading import TrainLoader, length  # noqa: E402
 from trainkit.rng import sample_seed, seed_all  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_inference.py [--model resnet18] [--samples 1024]
 
 Each rank is a spawned gloo process with one thread (as under torchrun on CPU) and runs what
-src/predict.py runs: trainkit.inference.predict on its contiguous shard (data.eval_loader),
+src/predict.py runs: trainkit.inference.predict on its contiguous shard (loading.eval_loader),
 including the gather of all logits back into dataset order. Data: random fake-like 3x32x32
 images. The timer runs on rank 0 from a barrier to the end of the gather, so it covers the
 slowest rank; best of --repeats. The two runs must give the same predictions (checked).
@@ -22,15 +22,16 @@ import torch.multiprocessing as mp
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from trainkit import models  # noqa: E402
-from trainkit.data import eval_loader  # noqa: E402
 from trainkit.dist import Dist  # noqa: E402
 from trainkit.inference import predict  # noqa: E402
+from trainkit.loading import eval_loader  # noqa: E402
+from trainkit.models.cnn import cnn  # noqa: E402
+from trainkit.models.resnet import resnet18  # noqa: E402
 
 
 def build_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights in every process
-    return models.resnet18(3, 10) if name == "resnet18" else models.cnn(3, 10, width=64)
+    return resnet18(3, 10) if name == "resnet18" else cnn(3, 10, width=64)
 
 
 def fake_data(samples: int) -> TensorDataset:

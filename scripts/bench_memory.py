@@ -47,7 +47,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from trainkit.accumulate import sync_context, syncs_now  # noqa: E402
 from trainkit.dist import Dist  # noqa: E402
-from trainkit.models import gpt, mlp, resnet18  # noqa: E402
+from trainkit.models.gpt import gpt  # noqa: E402
+from trainkit.models.mlp import mlp
+from trainkit.models.resnet import resnet18
 from trainkit.parallel import wrap  # noqa: E402
 
 RUNS = [

@@ -188,7 +188,7 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
 # and zero_grad (--breakdown): (where, attribute, what). Context managers are timed at entry and exit (not
 # their bodies), generators and iterators per item; the rest per call.
 HOOKS = [
-    ("trainkit.data:TrainLoader", "epoch", "data: the window's micro-batches (per item)"),
+    ("trainkit.loading:TrainLoader", "epoch", "data: the window's micro-batches (per item)"),
     ("trainkit.metrics:TrainMeter", "waiting_for_data", "meter: time/data_wait's clock"),
     ("trainkit.metrics:TrainMeter", "add_micro_step", "meter: the micro-batch's loss sum"),
     ("trainkit.metrics:TrainMeter", "add_step", "meter: the step's sums"),

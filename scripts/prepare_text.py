@@ -1,4 +1,4 @@
-"""Tokenize text files into a corpus for data=tokens (trainkit/corpus.py):
+"""Tokenize text files into a corpus for data=tokens (trainkit/data/corpus.py):
 
     python scripts/prepare_text.py FILES_OR_DIRS --out DIR [--tokenizer bytes|bpe --vocab-size N]
         [--val-fraction F] [--test-fraction F] [--glob '*.py' ...] [--exclude test ...] [--seed S]
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from trainkit.corpus import prepare  # noqa: E402
+from trainkit.data.corpus import prepare  # noqa: E402
 from trainkit.errors import ConfigError  # noqa: E402
 
 

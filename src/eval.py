@@ -20,13 +20,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from trainkit import config, dist, heldout, text
-from trainkit.errors import ConfigError
+from trainkit import config, dist, heldout, options
 from trainkit.evaluate import evaluate
 from trainkit.precision import autocast_for
 from trainkit.progress import headline
 from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
-from trainkit.text import Vocabulary
 
 
 def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
@@ -35,11 +33,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
     run_cfg = load_run_config(cfg, "eval", heldout.SPLITS)
     run_dir = Path(cfg.run_dir)
     weights = weights_path(run_dir, str(cfg.weights))
-    vocab = Vocabulary.load(run_dir)
-    if vocab is not None:  # a text run: its vocabulary must be this Python's corpus's (the split is rebuilt here)
-        if vocab != text.vocabulary():
-            raise ConfigError(f"run_dir={run_dir}: its {text.VOCAB_FILE} is not this Python's corpus's vocabulary")
-        run_cfg.data.vocab_size = vocab.size
+    options.check_run(run_dir, run_cfg)  # the split is rebuilt here (data=pydoc_text: from this Python's corpus)
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
     dataset, batches, batch_size = split_batches(cfg, run_cfg, d, "evaluation")
     model = instantiate(run_cfg.model)

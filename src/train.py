@@ -20,12 +20,12 @@ from trainkit.accumulate import EpochLayout, sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpack
 from trainkit.coupled import CoupledWindows, couples
-from trainkit.data import TrainLoader
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, Stopped, user_error
 from trainkit.evaluate import evaluate, evaluate_averaged
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
+from trainkit.loading import TrainLoader
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for

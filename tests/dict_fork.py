@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainkit.data import diabetes
+from trainkit.data.diabetes import diabetes
 
 
 class MaskedPatients(Dataset):

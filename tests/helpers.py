@@ -383,11 +383,12 @@ def faulty_model(
     oom_above: int = 0,
     **model_args,
 ) -> nn.Module:
-    """trainkit.models.<name>(**model_args) wrapped in Faulty; from the command line:
+    """trainkit.models.<name>.<name>(**model_args) wrapped in Faulty; from the command line:
     model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
-    from trainkit import models
+    import importlib
 
-    return Faulty(getattr(models, name)(**model_args), fault, at_forward, rank, marker, oom_above)
+    build = getattr(importlib.import_module(f"trainkit.models.{name}"), name)
+    return Faulty(build(**model_args), fault, at_forward, rank, marker, oom_above)
 
 
 class NoisyDigits(torch.utils.data.Dataset):
@@ -409,7 +410,7 @@ class NoisyDigits(torch.utils.data.Dataset):
 
 def noisy_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
     """data.splits._target_=helpers.noisy_digits: digits whose training split augments randomly."""
-    from trainkit.data import digits
+    from trainkit.data.digits import digits
 
     train, val, test = digits(val_fraction, test_fraction)
     return NoisyDigits(train), val, test
@@ -466,7 +467,7 @@ class TokenMeanPerMicroBatch:
     items_name = None
 
     def __init__(self, max_digits: int = 3, per_character: bool = False, per_token: bool = False):  # task=lm's keys
-        from trainkit.tasks import LanguageModel
+        from trainkit.tasks.lm import LanguageModel
 
         self.lm = LanguageModel(max_digits=max_digits)
         self.eval_width = self.lm.eval_width
@@ -488,7 +489,7 @@ def warning_mlp(**kwargs) -> nn.Module:
     """model._target_=helpers.warning_mlp: the mlp, built after a Python warning (on every rank)."""
     import warnings
 
-    from trainkit.models import mlp
+    from trainkit.models.mlp import mlp
 
     warnings.warn("helpers.warning_mlp: a warning every rank raises", UserWarning, stacklevel=1)
     return mlp(**kwargs)
@@ -513,7 +514,7 @@ def _check_dropout_mask(module: nn.Module, args: tuple, out: torch.Tensor) -> No
 
 def dropout_mlp(**kwargs) -> nn.Module:
     """model._target_=helpers.dropout_mlp: the mlp, its dropout masks recorded in DROPOUT_MASKS."""
-    from trainkit.models import mlp
+    from trainkit.models.mlp import mlp
 
     model = mlp(**kwargs)
     for module in model.modules():

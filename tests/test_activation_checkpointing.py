@@ -23,8 +23,11 @@ from helpers import rows as rows_of
 from trainkit import config  # noqa: F401  (registers the schema)
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.dist import Dist
-from trainkit.models import GPT, Staged, cnn, gpt, resnet18
+from trainkit.models.cnn import cnn
+from trainkit.models.gpt import GPT, gpt
+from trainkit.models.resnet import resnet18
 from trainkit.parallel import wrap
+from trainkit.recompute import Staged
 
 
 def build(name: str, checkpointing: bool) -> nn.Module:

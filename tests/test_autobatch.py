@@ -22,7 +22,7 @@ from trainkit.dist import Dist
 from trainkit.evaluate import evaluate
 from trainkit.halving import EvalBatches
 from trainkit.syncbn import SyncBatchNorm
-from trainkit.tasks import Classification
+from trainkit.tasks.classification import Classification
 
 # cnn: BatchNorm, whose running statistics the dropped attempt must not keep.
 RUN = [

@@ -13,7 +13,7 @@ import torch
 from helpers import max_diff, rows, run_in_process, weights
 from trainkit.batch import collate, emptied, joined, leaves, map_tensors, to_device, unpack
 from trainkit.errors import ConfigError
-from trainkit.tasks import Classification
+from trainkit.tasks.classification import Classification
 
 
 class Pair(NamedTuple):

@@ -30,7 +30,7 @@ CATALOGUE = [
     # Unknown options and keys.
     # (Unknown options of a group: test_an_unknown_option_lists_the_group_s_options, which a fork's option passes.)
     (["model.widht=3"], "model.widht is not a setting of model; its settings: _target_, in_shape, num_classes, width"),
-    (["+model.extra=3"], "trainkit.models.mlp: mlp() got an unexpected keyword argument 'extra'"),
+    (["+model.extra=3"], "model.extra is not a setting of model; its settings: _target_, in_shape, num_classes, width"),
     # Ranges and choices (config.check), also of values that reach _target_ constructors.
     (["optim.lr=-1"], "optim.lr=-1.0 must be a number >= 0"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be a number >= 0"),
@@ -182,7 +182,7 @@ def test_hydra_full_error_shows_the_traceback(tmp_path, monkeypatch):
     import helpers
 
     monkeypatch.setattr(helpers, "_env", lambda: dict(os.environ, OMP_NUM_THREADS="1"))
-    proc = run_train(tmp_path, "model.width=abc", check=False)
+    proc = run_train(tmp_path, "optim.lr=abc", check=False)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ValidationError" in proc.stderr
 
 

@@ -16,9 +16,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from helpers import max_diff, rows, run_distributed, run_in_process, weights
-from trainkit.contrastive import Contrastive, SimCLR
 from trainkit.coupled import CoupledWindows, note
+from trainkit.data.digits_views import DigitsViews
 from trainkit.dist import Dist
+from trainkit.models.simclr import SimCLR
+from trainkit.tasks.contrastive import Contrastive
 
 B, K, W = 4, 2, 2  # micro-batch, micro-batches per rank, ranks: a global batch of 16 samples
 TOLERANCE = 1e-5
@@ -88,13 +90,14 @@ def reference(net: nn.Module, micro: list) -> torch.Tensor:
     return loss.detach()
 
 
-def _ranks(rank: int, world_size: int) -> dict:
+def _ranks(rank: int, world_size: int, channels: int | None = None) -> dict:
     d = Dist(rank, rank, world_size, torch.device("cpu"))
-    net = model()
+    net = model(channels=channels)
     micro = batches(views(), rank * K, K)
     meter = coupled_step(net, micro, d, DDP(net))
     coupled = gradients(net)
-    naive = model()  # the usual loop: each micro-batch's loss over its own B samples (B - 1 negatives each)
+    # the usual loop: each micro-batch's loss over its own B samples (B - 1 negatives each)
+    naive = model(channels=channels)
     ddp = DDP(naive)
     t = task()
     for k, batch in enumerate(micro):
@@ -103,9 +106,10 @@ def _ranks(rank: int, world_size: int) -> dict:
     return {"coupled": coupled, "naive": gradients(naive), "loss": sum(meter.losses)}
 
 
-def test_two_ranks_x_k2_give_the_one_process_gradient_and_naive_accumulation_does_not():
-    ranks = run_distributed(_ranks, W)
-    net = model()
+@pytest.mark.parametrize("channels", [None, 4], ids=["mlp", "conv-groupnorm"])
+def test_two_ranks_x_k2_give_the_one_process_gradient_and_naive_accumulation_does_not(channels):
+    ranks = run_distributed(_ranks, W, channels)
+    net = model(channels=channels)
     loss = reference(net, batches(views(), 0, W * K))
     exact = gradients(net)
     gap = max_diff(ranks[0]["naive"], exact)
@@ -159,6 +163,20 @@ def test_batchnorm_with_a_coupled_loss_is_said_to_be_inexact_once():
     assert "micro-batch of each rank" in note(BatchNormNet(), 1, 2)
     assert note(BatchNormNet(), K=1, world_size=1) is None  # one process, one micro-batch: the whole batch
     assert note(model(), K=4, world_size=2) is None  # LayerNorm: exact at any allocation
+
+
+def test_digits_views_are_the_seed_s_and_each_transform_is_drawn():
+    images, labels = torch.rand(3, 1, 8, 8), torch.arange(3)
+    still = {"shift": 0, "rotation": 0, "scale": 0, "contrast": 0, "noise": 0}
+    assert torch.equal(DigitsViews(images, labels, **still)[1]["views"], images[1].expand(2, 1, 8, 8))  # no-op: exact
+    torch.manual_seed(3)
+    first = DigitsViews(images, labels)[1]["views"]
+    torch.manual_seed(3)
+    assert torch.equal(DigitsViews(images, labels)[1]["views"], first)  # SeededBatches' seed decides the views
+    for name in ("shift", "rotation", "scale"):  # each geometric transform alone moves the pixels, differently per view
+        views = DigitsViews(images, labels, **{**still, name: {"shift": 1, "rotation": 15, "scale": 0.15}[name]})[1]
+        assert (views["views"] - images[1]).abs().amax(dim=(1, 2, 3)).min() > 1e-3, name
+        assert not torch.equal(views["views"][0], views["views"][1]), name
 
 
 SIMCLR = ["+experiment=digits_simclr", "trainer.max_steps=6", "trainer.eval_every=3", "checkpoint.every=0"]

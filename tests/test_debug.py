@@ -138,7 +138,7 @@ def test_limit_keeps_evenly_spaced_samples_not_the_first_ones():
     either way); a split sorted by class (an image folder) would keep one class."""
     import torch
 
-    from trainkit.data import InMemory
+    from trainkit.loading import InMemory
 
     class Said:
         def print0(self, text: str) -> None:

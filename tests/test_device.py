@@ -15,8 +15,8 @@ import torch
 from helpers import run_train, together
 from trainkit import dist
 from trainkit.config import ConfigError
-from trainkit.data import InMemory, TrainLoader, eval_loader
 from trainkit.dist import Dist, Place, resolve_backend, resolve_device
+from trainkit.loading import InMemory, TrainLoader, eval_loader
 from trainkit.parallel import mixed_precision
 from trainkit.rng import rng_state, seed_all, set_rng_state
 

@@ -12,10 +12,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from helpers import assert_equal, max_diff, rows, run_distributed, run_in_process, weights
-from trainkit.data import InMemory, TrainBatches, digits
+from trainkit.data.digits import digits
 from trainkit.dist import Dist
 from trainkit.ema import EMA, warmed_up
 from trainkit.errors import ConfigError
+from trainkit.loading import InMemory, TrainBatches
 from trainkit.parallel import wrap
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -309,8 +310,8 @@ def test_predict_weights_ema_predicts_with_the_average(single, tmp_path):
     run_in_process(tmp_path / "ema", f"run_dir={single}", "weights=ema", script="predict")
     run_in_process(tmp_path / "last", f"run_dir={single}", script="predict")
     final = rows(single)[-1]
-    assert json.loads((tmp_path / "ema" / "metrics.json").read_text())["accuracy"] == final["val/acc"]
-    assert json.loads((tmp_path / "last" / "metrics.json").read_text())["accuracy"] == final["val_raw/acc"]
+    assert json.loads((tmp_path / "ema" / "metrics.json").read_text())["acc"] == final["val/acc"]
+    assert json.loads((tmp_path / "last" / "metrics.json").read_text())["acc"] == final["val_raw/acc"]
     (tmp_path / "no_ema").mkdir()
     for name in ("model.pt", ".hydra"):
         (tmp_path / "no_ema" / name).symlink_to(single / name)

@@ -17,10 +17,11 @@ from omegaconf import OmegaConf
 
 from helpers import ROOT, run_in_process, run_train
 from trainkit import config
-from trainkit.config import ConfigError
-from trainkit.data import TrainLoader, draws_random, micro_batch, torchvision_splits
+from trainkit.config import ConfigError, micro_batch
+from trainkit.data.vision import torchvision_splits
 from trainkit.dist import Dist
-from trainkit.tasks import Classification
+from trainkit.loading import TrainLoader, draws_random
+from trainkit.tasks.classification import Classification
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -68,7 +69,7 @@ def tokens_data(request, tmp_path_factory, monkeypatch):
         return
     from test_tokens import write_sources
 
-    from trainkit.corpus import prepare
+    from trainkit.data.corpus import prepare
 
     base = tmp_path_factory.mktemp("tokens_data")
     prepare([str(write_sources(base / "src"))], str(base / "cpython_bpe"), "bpe", 300, 1 / 6, progress=False)

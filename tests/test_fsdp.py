@@ -28,14 +28,14 @@ from trainkit import config
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.checkpoint import Checkpointer, full_state_dict, restore, snapshot
 from trainkit.config import ConfigError
-from trainkit.data import eval_loader
 from trainkit.dist import Dist
 from trainkit.evaluate import evaluate
+from trainkit.loading import eval_loader
 from trainkit.metrics import TrainMeter
-from trainkit.models import resnet18
+from trainkit.models.resnet import resnet18
 from trainkit.parallel import EqualBatches, fsdp_units, resolve_mode, wrap
 from trainkit.schedules import warmup_cosine
-from trainkit.tasks import Classification
+from trainkit.tasks.classification import Classification
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -7,7 +7,10 @@ from torch import nn
 
 from helpers import max_diff, rows, run_in_process, weights
 from trainkit.config import ConfigError
-from trainkit.models import cnn, gpt, mlp, resnet18
+from trainkit.models.cnn import cnn
+from trainkit.models.gpt import gpt
+from trainkit.models.mlp import mlp
+from trainkit.models.resnet import resnet18
 from trainkit.parallel import fsdp_units
 
 

@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 from helpers import ROOT, max_diff, rows, run_in_process, run_train, weights
-from trainkit import imagefolder
-from trainkit.data import SeededBatches, TrainBatches, TrainLoader
+from trainkit.data import image_folder as imagefolder
 from trainkit.errors import ConfigError
+from trainkit.loading import SeededBatches, TrainBatches, TrainLoader
 
 CLASSES = ("ant", "bee", "cat")
 SIZES = {"train": 12, "val": 4, "test": 4}  # images per class

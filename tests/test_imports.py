@@ -28,3 +28,38 @@ def test_no_module_of_the_package_imports_itself_through_others():
             seen |= frontier
             frontier = {n for m in frontier for n in graph[m]} - seen
         assert start not in seen, f"{start} imports itself through {sorted(seen)}"
+
+
+ROOMS = ("models", "data", "tasks")  # the fork's parts, mirroring conf/model, conf/data, conf/task
+
+
+def room_imports(path: Path) -> set[str]:
+    """The rooms a file imports by name, at module level or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "trainkit":
+            parts = node.module.split(".")
+            names = [parts[1]] if len(parts) > 1 else [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name.split(".")[1] for a in node.names if a.name.startswith("trainkit.")]
+        found |= set(names) & set(ROOMS)
+    return found
+
+
+def test_the_engine_imports_no_room():
+    """Rooms depend on the engine, never the other way (torchtitan's rule): the engine finds a room's module
+    through its yaml's _target_ (trainkit/options.py), as hydra.utils.instantiate does."""
+    src = PACKAGE.parent
+    engine = [*PACKAGE.glob("*.py"), *src.glob("*.py"), *(src / "hydra_plugins").rglob("*.py")]
+    assert len(engine) > 40 and all((PACKAGE / room / "__init__.py").is_file() for room in ROOMS)
+    offenders = {str(path.relative_to(src)): sorted(rooms) for path in engine if (rooms := room_imports(path))}
+    assert offenders == {}, f"engine files import a room: {offenders}"
+
+
+def test_the_room_check_sees_every_form_of_import(tmp_path):
+    for line in ("from trainkit.models.mlp import mlp", "import trainkit.tasks.lm", "from trainkit import data"):
+        (tmp_path / "m.py").write_text(f"def f():\n    {line}\n")
+        assert room_imports(tmp_path / "m.py"), line
+    (tmp_path / "m.py").write_text("from trainkit.loading import InMemory\nimport trainkit.dist\n")
+    assert room_imports(tmp_path / "m.py") == set()

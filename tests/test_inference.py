@@ -13,9 +13,10 @@ from torch.utils.data import TensorDataset
 from helpers import rows as rows_of
 from helpers import run_distributed, run_in_process, run_train
 from trainkit.config import ConfigError
-from trainkit.data import ContiguousSampler, digits, eval_loader, shard_bounds
+from trainkit.data.digits import digits
 from trainkit.dist import Dist
 from trainkit.inference import gather, predict
+from trainkit.loading import ContiguousSampler, eval_loader, shard_bounds
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -124,7 +125,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
 
     metrics = json.loads(files[1][1])
     assert metrics["samples"] == len(val)
-    assert metrics["accuracy"] == sum(r[1] == r[2] for r in rows) / len(rows)
+    assert metrics["acc"] == sum(r[1] == r[2] for r in rows) / len(rows)
     for _, stdout in predicted.values():  # rank 0 alone reports
         assert stdout.count("predict | run dir") == 1 and stdout.count("done: loss ") == 1
 
@@ -133,7 +134,7 @@ def test_predict_on_1_2_3_ranks_writes_identical_files_in_dataset_order(predicte
 def test_val_metrics_of_a_2_rank_training_run_equal_predict(trained, predicted):
     val = rows_of(trained)[-1]  # the last evaluation (the test row after it: test_test_split.py)
     metrics = json.loads((predicted[1][0] / "metrics.json").read_text())
-    assert val["val/acc"] == metrics["accuracy"]
+    assert val["val/acc"] == metrics["acc"]
     assert val["val/loss"] == pytest.approx(metrics["loss"], rel=0, abs=1e-6)
 
 

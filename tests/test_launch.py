@@ -174,7 +174,7 @@ def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_
 def slow_test_pass_mlp(model_pt: str, started: str, **mlp_args) -> torch.nn.Module:
     """model._target_=test_launch.slow_test_pass_mlp: the mlp, whose evaluation forwards once `model_pt`
     exists (the final test pass: model.pt is written just before it) touch `started` and take 0.2 s each."""
-    from trainkit.models import mlp
+    from trainkit.models.mlp import mlp
 
     def slowly(module, args):
         if not module.training and Path(model_pt).exists():

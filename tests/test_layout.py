@@ -11,9 +11,10 @@ from torch.utils.data import TensorDataset
 from helpers import compose_cfg, rows, run_in_process
 from trainkit.accumulate import EpochLayout, syncs_now
 from trainkit.checkpoint import check_compatible, run_identity
-from trainkit.data import TrainLoader, digits
+from trainkit.data.digits import digits
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
+from trainkit.loading import TrainLoader
 from trainkit.rng import seed_all
 
 

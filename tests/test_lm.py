@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import rows, run_in_process, without_timings
-from trainkit.addition import IGNORE, Problems, decode, operand_lengths, splits
-from trainkit.models import gpt
-from trainkit.tasks import LanguageModel
+from trainkit.data.addition import IGNORE, Problems, decode, operand_lengths, splits
+from trainkit.models.gpt import gpt
+from trainkit.tasks.lm import LanguageModel
 
 
 def test_addition_lengths_vary_masks_cover_the_answer_and_splits_are_fixed_and_stratified():
@@ -197,7 +197,7 @@ class Counting(torch.nn.Module):
     block_size = 16
 
     def forward(self, tokens):
-        from trainkit.addition import END, VOCAB
+        from trainkit.data.addition import END, VOCAB
 
         last, first = tokens[:, -1], tokens[:, :1].expand_as(tokens[:, -1:]).squeeze(1)
         following = torch.where(last == VOCAB.index("="), 0, last + 1)
@@ -206,7 +206,7 @@ class Counting(torch.nn.Module):
 
 
 def test_greedy_decoding_stops_at_the_end_token_for_prompts_of_every_length():
-    from trainkit.addition import END, encode
+    from trainkit.data.addition import END, encode
     from trainkit.dist import Dist
     from trainkit.inference import generate
 

@@ -169,7 +169,7 @@ def test_each_epoch_trains_another_order(tmp_path):
 def test_what_a_batch_draws_and_the_cpu_rng_after_it_depend_on_the_batch_alone():
     from torch.utils.data import Dataset
 
-    from trainkit.data import TrainLoader
+    from trainkit.loading import TrainLoader
 
     class Draws(Dataset):
         def __len__(self):

@@ -132,7 +132,7 @@ def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line
 def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
     """model._target_=test_preemption.signalling_mlp: the mlp (the same weights, the same state_dict keys);
     rank `rank` sends itself `signum` before its `at_forward`-th training forward, once (`marker`)."""
-    from trainkit.models import mlp
+    from trainkit.models.mlp import mlp
 
     model, calls = mlp(**mlp_args), [0]
 

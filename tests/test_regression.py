@@ -10,10 +10,11 @@ import torch
 from sklearn.metrics import mean_squared_error, r2_score
 
 from helpers import max_diff, rows, run_in_process, weights
-from trainkit.data import diabetes
+from trainkit.data.diabetes import diabetes
 from trainkit.errors import ConfigError
 from trainkit.selection import monitored
-from trainkit.tasks import Classification, Regression
+from trainkit.tasks.classification import Classification
+from trainkit.tasks.regression import Regression
 
 # SGD (see helpers: equivalence runs), a few evaluations, no checkpoints but the end's.
 RUN = ["+experiment=diabetes_mlp", "optim=sgd", "optim.lr=0.05", "trainer.max_steps=24", "trainer.eval_every=4"]

@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from helpers import ROOT, NoisyDigits, dropout_masks, run_in_process
-from trainkit.data import InMemory, TrainLoader
 from trainkit.dist import Dist
+from trainkit.loading import InMemory, TrainLoader
 
 CPU = Dist(0, 0, 1, torch.device("cpu"))
 
@@ -116,7 +116,7 @@ def test_a_sample_is_augmented_the_same_by_any_rank_world_size_micro_batch_or_wo
 
 
 def test_only_a_data_set_that_may_draw_is_seeded_per_sample():
-    from trainkit.data import draws_random
+    from trainkit.loading import draws_random
 
     class Declared(NoisyDigits):
         draws_random = False  # wrongly, to see it believed: the loader seeds nothing for it

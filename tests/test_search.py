@@ -45,7 +45,7 @@ def planted_pruner(rank: int, trial: int) -> tuple[str, ...]:
 
 def sigterm_mlp(marker: str, at_forward: int, **mlp):
     """model=mlp that sends this process SIGTERM once, at its at_forward-th training forward."""
-    from trainkit.models import mlp as make_mlp
+    from trainkit.models.mlp import mlp as make_mlp
 
     net, calls = make_mlp(**mlp), [0]
 

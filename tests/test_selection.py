@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process, run_train
 from trainkit.errors import ConfigError
 from trainkit.selection import Selection, monitored
-from trainkit.tasks import Classification, LanguageModel
+from trainkit.tasks.classification import Classification
+from trainkit.tasks.lm import LanguageModel
 
 # SGD at a high learning rate on digits: val/acc climbs, dips and ties (every 4 steps an evaluation),
 # so the best step lies mid-run, a later evaluation ties it (a tie keeps the earlier step) and three

@@ -8,26 +8,28 @@ import numpy as np
 import torch
 
 from helpers import rows, run_in_process
-from trainkit import models, summary
+from trainkit import summary
 from trainkit.dist import Dist
+from trainkit.models import cnn, gpt
+from trainkit.models import mlp as mlps
 
 
 def test_counts_are_per_top_level_module_and_a_tied_weight_counts_once():
-    mlp = models.mlp([1, 8, 8], 10, width=16, depth=2)
+    mlp = mlps.mlp([1, 8, 8], 10, width=16, depth=2)
     counts = summary.parameters(mlp)
     assert counts["total"] == counts["trainable"] == sum(p.numel() for p in mlp.parameters())
     assert counts["per_module"] == {
         name: sum(p.numel() for p in m.parameters()) for name, m in mlp.named_children() if list(m.parameters())
     }
-    gpt = models.gpt(vocab_size=14, block_size=16, n_layer=1, n_head=2, n_embd=8)
-    counts = summary.parameters(gpt)  # lm_head.weight is wte.weight: counted in wte, lm_head has nothing of its own
-    distinct = {id(p): p.numel() for m in gpt.modules() for p in m.parameters(recurse=False)}
+    model = gpt.gpt(vocab_size=14, block_size=16, n_layer=1, n_head=2, n_embd=8)
+    counts = summary.parameters(model)  # lm_head.weight is wte.weight: counted in wte, lm_head has nothing of its own
+    distinct = {id(p): p.numel() for m in model.modules() for p in m.parameters(recurse=False)}
     assert counts["total"] == sum(distinct.values()) == sum(counts["per_module"].values())
     assert counts["per_module"]["lm_head"] == 0 and counts["per_module"]["wte"] == 14 * 8
 
 
 def test_the_mlps_flops_per_sample_are_its_matmuls_and_counting_changes_nothing():
-    mlp = models.cnn(1, 10, width=4, dropout=0.5)  # BatchNorm (running statistics) and dropout (the RNG)
+    mlp = cnn.cnn(1, 10, width=4, dropout=0.5)  # BatchNorm (running statistics) and dropout (the RNG)
     x = torch.randn(3, 1, 8, 8)
     state = {k: v.clone() for k, v in mlp.state_dict().items()}
     rng = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
@@ -36,7 +38,7 @@ def test_the_mlps_flops_per_sample_are_its_matmuls_and_counting_changes_nothing(
     assert torch.equal(torch.get_rng_state(), rng[0]) and (np.random.get_state()[1] == rng[1]).all()
     assert random.getstate() == rng[2] and all(m.training for m in mlp.modules())  # train mode back
     inputs, width, classes = 64, 16, 10
-    mlp = models.mlp([1, 8, 8], classes, width=width, depth=1)
+    mlp = mlps.mlp([1, 8, 8], classes, width=width, depth=1)
     assert summary.forward_flops(mlp, torch.randn(1, 1, 8, 8), torch.device("cpu")) == 2 * (
         inputs * width + width * classes
     )
@@ -47,10 +49,10 @@ def test_flopcountermode_agrees_with_the_gpt_formula():
     # 4·T·d per token and layer. nanoGPT's 6N + 12·L·H·Q·T also counts every bias and LayerNorm parameter as
     # 6 FLOPs (13·d per block; 13/(12·d) = 1.7 % over at d=64) and ignores softmax and LayerNorm compute: 2.5 %
     # holds it. Without the attention (the CPU kernel counted 0, as in torch 2.14.1's own table): 18 % over.
-    model = models.gpt(vocab_size=14, block_size=64, n_layer=2, n_head=4, n_embd=64)
+    model = gpt.gpt(vocab_size=14, block_size=64, n_layer=2, n_head=4, n_embd=64)
     length = 64
     measured = 3 * summary.forward_flops(model, torch.zeros(1, length, dtype=torch.long), torch.device("cpu")) / length
-    formula = summary.gpt_formula(model, length)
+    formula = model.flops_per_token(length)
     assert abs(formula / measured - 1) < 0.025, (formula, measured)
 
 

@@ -19,8 +19,11 @@ from hydra.utils import instantiate
 from test_experiments import _skip_md5, write_fake_cifar10
 
 from helpers import ROOT, compose_cfg, final_test_row, rows, run_in_process, run_train
-from trainkit import addition, text
-from trainkit.data import _bundled_digits, carve, digits, fake, torchvision_splits
+from trainkit.data import addition
+from trainkit.data import pydoc_text as text
+from trainkit.data.digits import _bundled_digits, digits
+from trainkit.data.fake import fake
+from trainkit.data.vision import carve, torchvision_splits
 from trainkit.errors import ConfigError
 
 
@@ -191,7 +194,7 @@ def test_predict_on_the_test_split_agrees_with_the_test_row(short_runs, tmp_path
     row = final_test_row(short_runs[1])
     run_in_process(tmp_path, f"run_dir={short_runs[1]}", "split=test", script="predict")
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["samples"] == 359 and metrics["accuracy"] == row["test/acc"]
+    assert metrics["samples"] == 359 and metrics["acc"] == row["test/acc"]
     # predict's loss: the float32 per-sample losses of the whole split at once, summed in float64 (1e-6 above).
     assert metrics["loss"] == pytest.approx(row["test/loss"], rel=1e-6)
 
@@ -246,8 +249,8 @@ def test_a_task_of_ones_own_that_names_its_metrics_val_gets_test_rows_too():
 
     from trainkit.dist import Dist
     from trainkit.evaluate import evaluate
-    from trainkit.models import mlp
-    from trainkit.tasks import Classification
+    from trainkit.models.mlp import mlp
+    from trainkit.tasks.classification import Classification
 
     class Before(Classification):  # eval_metrics as a fork's task wrote it before the test split
         def eval_metrics(self, sums):
@@ -266,6 +269,6 @@ def test_digits_are_read_as_scikit_learn_reads_them_without_importing_it():
     images, targets = _bundled_digits()
     expected_images, expected_targets = load_digits(return_X_y=True)
     assert np.array_equal(images, expected_images) and np.array_equal(targets, expected_targets)
-    probe = "import sys; from trainkit.data import digits; digits(); print('sklearn' in sys.modules)"
+    probe = "import sys; from trainkit.data.digits import digits; digits(); print('sklearn' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout == "False\n"

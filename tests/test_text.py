@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from helpers import max_diff, rows, run_in_process, weights
-from trainkit import text
-from trainkit.addition import IGNORE
 from trainkit.config import ConfigError
-from trainkit.data import SeededBatches, TrainBatches
+from trainkit.data import pydoc_text as text
+from trainkit.data.addition import IGNORE
+from trainkit.loading import SeededBatches, TrainBatches
 
 
 def test_the_split_is_by_document_fixed_disjoint_and_about_a_tenth():

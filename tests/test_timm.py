@@ -14,8 +14,8 @@ from helpers import compose_cfg, max_diff, run_distributed, run_in_process, run_
 from trainkit import config
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
+from trainkit.models.timm import timm_model
 from trainkit.parallel import fsdp_units, wrap
-from trainkit.timm_models import timm_model
 
 # The smallest timm ResNet (4 BasicBlocks, BatchNorm) at 16x16 and a ViT-Tiny at 32x32 (patch 16: 4
 # tokens, 12 Blocks), 2 SGD steps of a global batch 16 on data=fake.

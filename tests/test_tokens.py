@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from helpers import max_diff, rows, run_distributed, run_in_process, weights
-from trainkit import tokens
-from trainkit.corpus import prepare
-from trainkit.data import SeededBatches, TrainBatches
+from trainkit.data import tokens
+from trainkit.data.corpus import prepare
 from trainkit.errors import ConfigError
+from trainkit.loading import SeededBatches, TrainBatches
 
 SAMPLE = "def f(x):\n    return x ** 2  # carré, 平方 ✓\n\n\tclass A: pass\n"
 
@@ -333,7 +333,7 @@ def test_every_training_block_lies_in_the_split_and_every_start_is_drawn():
 
 def test_a_uint32_corpus_reads_the_same_tokens_as_uint16(corpora, tmp_path, monkeypatch):
     """Issue 32: every corpus in the suite was uint16; one past 65,536 ids is uint32 on disk."""
-    from trainkit import corpus
+    from trainkit.data import corpus
 
     assert corpus.token_dtype(1 << 16) == np.uint16 and corpus.token_dtype((1 << 16) + 1) == np.uint32
     monkeypatch.setattr(corpus, "token_dtype", lambda size: np.dtype(np.uint32))  # 257 ids written as a wide corpus

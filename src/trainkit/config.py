@@ -27,7 +27,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, imagefolder, launch, schema, stop, text, tokens
+from trainkit import dist, launch, options, schema, stop
 from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
@@ -121,6 +121,20 @@ def world_size(*, _root_: DictConfig) -> int:
 OmegaConf.register_new_resolver("world_size", world_size, replace=True)
 
 
+def micro_batch(global_batch: int, steps: int | None, world_size: int | str = 1) -> int:
+    """${micro_batch:<global batch>,<K>,<world size>}: the per-device batch that keeps the global
+    batch fixed whatever K (null: 1) and the world size (conf/experiment/accumulation_sweep.yaml)."""
+    per_step = int(steps or 1) * int(world_size)
+    if int(global_batch) % per_step:
+        raise ConfigError(
+            f"micro_batch: the global batch {global_batch} is not a multiple of K x world size = {steps} x {world_size}"
+        )
+    return int(global_batch) // per_step
+
+
+OmegaConf.register_new_resolver("micro_batch", micro_batch, replace=True)
+
+
 def nodes() -> int:
     """${nodes:}: the job's nodes, world size / processes per node (torchrun's LOCAL_WORLD_SIZE,
     submitit's tasks per node); 1 alone. parallel=hsdp's replicas."""
@@ -129,25 +143,6 @@ def nodes() -> int:
 
 
 OmegaConf.register_new_resolver("nodes", nodes, replace=True)
-
-
-def pydoc_vocab_size() -> int:
-    """${pydoc_vocab_size:} (data=pydoc_text): the running Python's corpus's characters and the padding token."""
-    return text.vocab_size()
-
-
-OmegaConf.register_new_resolver("pydoc_vocab_size", pydoc_vocab_size, replace=True)
-# data=image_folder: ${image_folder_classes:${data.root}}, which checks the folder too; use_cache: a
-# config scans it once however often data.num_classes is read.
-OmegaConf.register_new_resolver("image_folder_classes", imagefolder.num_classes, replace=True, use_cache=True)
-
-
-def tokens_vocab_size(root) -> int:
-    """${tokens_vocab_size:${data.root}} (data=tokens): the vocabulary size in the corpus's meta.json."""
-    return tokens.vocab_size(root)
-
-
-OmegaConf.register_new_resolver("tokens_vocab_size", tokens_vocab_size, replace=True)
 
 
 def config_groups() -> str:
@@ -230,8 +225,10 @@ def _non_negative(key: str, value, integer: bool = False) -> None:
 
 
 def check(cfg: DictConfig) -> None:
-    """Reject settings that would fail late or train silently wrong, naming the key."""
+    """Reject settings that would fail late or train silently wrong, naming the key. First the room options'
+    types (trainkit/options.py), in place."""
     _check_known_keys(cfg)
+    typed(cfg)
     launch.check(cfg)  # first: ${world_size:} below counts the workers parallel.nproc_per_node starts
     try:  # every interpolation resolves (e.g. model=gpt needs a data set with a vocabulary)
         OmegaConf.to_container(cfg, resolve=True)
@@ -344,15 +341,7 @@ def _check_agreement(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.img_size={model.img_size} must equal the size of data.shape={_override_text(data.shape)}"
         )
-    task = OmegaConf.get_type(cfg.task)
-    if task is schema.LanguageModel and data.get("vocab_size") is None:
-        raise ConfigError(
-            f"task=lm needs a token data set (data.vocab_size, e.g. data=addition); data={data.name} has none"
-        )
-    if task is schema.Classification and data.get("num_classes") is None:
-        raise ConfigError(
-            f"task=classification needs data.num_classes; data={data.name} has none (a token data set: task=lm)"
-        )
+    options.check(cfg)  # the options' own rules (e.g. task=lm needs a token data set)
 
 
 def _check_auto(cfg: DictConfig) -> None:
@@ -477,12 +466,28 @@ _WANTED = {  # OmegaConf's type errors -> what the key takes
 }
 
 
+def typed(cfg: DictConfig) -> None:
+    """options.typed, a refused value in one line (as Hydra's own refusals of the schema's groups)."""
+    try:
+        options.typed(cfg)
+    except (ValidationError, ConfigKeyError, ConfigAttributeError) as error:
+        raise ConfigError(_refusal(error) or str(error).splitlines()[0]) from None
+
+
 def _one_line(error: BaseException) -> str | None:
     """The key, the value and what is allowed, from Hydra's and OmegaConf's exceptions."""
-    cause = error.__cause__
     if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
         group, _, name = error.missing_cfg_file.rpartition("/")
         return f"{group}={name} is not one of: {', '.join(error.options)}"
+    if (refused := _refusal(error.__cause__)) is not None:
+        return refused
+    if isinstance(error, ConfigCompositionException | OverrideParseException):
+        return " ".join(str(error).split("\n")[0].split())
+    return None
+
+
+def _refusal(cause: BaseException | None) -> str | None:
+    """OmegaConf's refusal of a key or a value, as `key=value must be ...` or `key is not a setting of ...`."""
     if isinstance(cause, ConfigKeyError | ConfigAttributeError) and cause.full_key:
         parent = cause.full_key.rpartition(".")[0] or "the root"
         keys = list(cause.parent_node.keys()) if isinstance(cause.parent_node, DictConfig) else []
@@ -492,8 +497,6 @@ def _one_line(error: BaseException) -> str | None:
         wanted = next((kind for pattern, kind in _WANTED.items() if pattern in text), None)
         value = _override_text(cause.value)
         return f"{cause.full_key}={value} must be {wanted}" if wanted else f"{cause.full_key}={value}: {text}"
-    if isinstance(error, ConfigCompositionException | OverrideParseException):
-        return " ".join(str(error).split("\n")[0].split())
     return None
 
 

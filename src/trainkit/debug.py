@@ -28,9 +28,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
-from trainkit.data import InMemory, length
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError, RankError
+from trainkit.loading import InMemory, length
 
 SPLITS = ("train", "val", "test")
 

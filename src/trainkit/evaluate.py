@@ -5,14 +5,11 @@ import torch
 from trainkit.batch import to_device, unpack
 from trainkit.dist import Dist
 from trainkit.halving import batches_of
-from trainkit.tasks import Classification
 
 
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, loader, d: Dist, autocast, task: Classification, prefix: str = "val"
-) -> dict[str, float]:
-    """The task's loss and accuracy over the loader's contiguous shards (data.eval_loader), from
+def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task, prefix: str = "val") -> dict[str, float]:
+    """The task's loss and accuracy over the loader's contiguous shards (loading.eval_loader), from
     all-reduced sums and counts, never a mean of per-rank means, named `<prefix>/<metric>`
     (val/loss, val/acc, test/acc, ...). `loader`: any iterable of batches,
     or halving.EvalBatches (data.batch_size=auto: a batch that ran out of memory runs again at half

@@ -1,6 +1,6 @@
 """Evaluation and prediction batches that halve when a rank runs out of memory (data.batch_size=auto).
 
-Each rank reads its contiguous shard (data.eval_loader: every sample exactly once, rank order is
+Each rank reads its contiguous shard (loading.eval_loader: every sample exactly once, rank order is
 dataset order). With `halve`, the ranks go through their shards in step: the i-th batch of every rank
 starts at the same offset of its shard. After each batch's forward they agree through one all-reduce
 of a flag (rule 17) whether any rank ran out of memory; if one did, every rank drops that batch's
@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
 from trainkit.batch import emptied
-from trainkit.data import collate_fn, eval_loader, length, shard_bounds
 from trainkit.dist import Dist
 from trainkit.errors import RunError, out_of_memory
+from trainkit.loading import collate_fn, eval_loader, length, shard_bounds
 from trainkit.parallel import EqualBatches
 
 

@@ -1,4 +1,4 @@
-"""Distributed inference: each rank predicts its contiguous shard (data.eval_loader), and
+"""Distributed inference: each rank predicts its contiguous shard (loading.eval_loader), and
 `gather` reassembles the per-rank results into dataset order, equal to a single-process run."""
 
 import contextlib
@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from trainkit.batch import emptied, joined, map_tensors, to_device, unpack
-from trainkit.data import collate_fn
 from trainkit.dist import Dist
 from trainkit.halving import batches_of
+from trainkit.loading import collate_fn
 
 
 def gather(tensor: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -46,7 +46,7 @@ def predict(
 ) -> dict[str, torch.Tensor]:
     """The model's outputs (floating point as float32) and the targets of the whole data set, in dataset
     order, on every rank (CPU tensors; `logits` and `targets`, each of the batches' structure). `loader`
-    reads this rank's contiguous shard (data.eval_loader); `model` is the plain module, equal on every rank
+    reads this rank's contiguous shard (loading.eval_loader); `model` is the plain module, equal on every rank
     (no DDP wrapper: shards differ in batch count); `task` says what of a batch the model gets (its
     `unpack`; without: (x, y) pairs). halving.EvalBatches as `loader`: a batch that ran out of memory runs
     again at half the size."""

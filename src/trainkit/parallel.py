@@ -13,9 +13,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainkit.batch import emptied
-from trainkit.data import shard_bounds
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
+from trainkit.loading import shard_bounds
 from trainkit.syncbn import convert_sync_batchnorm
 
 

@@ -2,13 +2,14 @@
 weights (model.pt, model_best.pt, model_ema.pt or a file), with one-line errors for what is missing.
 Shared here because no entry point imports another."""
 
+import json
 from pathlib import Path
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import heldout
+from trainkit import config, heldout
 from trainkit.checkpoint import load_model
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -34,7 +35,23 @@ def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> Di
     run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     if not isinstance(run_cfg, DictConfig):
         raise ConfigError(f"run_dir={run_dir}: .hydra/config.yaml is not a training run's config")
+    config.typed(run_cfg)  # the options' schemas (and their modules' resolvers, which the config may use)
     return run_cfg
+
+
+def write_predictions(cfg: DictConfig, out_dir: Path, metrics: dict, rows: list[list], d: Dist) -> None:
+    """predictions.csv (rows: a header, then one row per sample in dataset order) and metrics.json in out_dir,
+    rank 0; then the `done:` line of the metrics' numbers."""
+    if d.is_main:
+        config.save(cfg, out_dir)
+        with open(out_dir / "predictions.csv", "w") as f:
+            f.writelines(",".join(map(str, row)) + "\n" for row in rows)
+        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    numbers = {key: value for key, value in metrics.items() if isinstance(value, float)}
+    d.print0(
+        f"done: {', '.join(f'{key} {value:.4f}' for key, value in numbers.items())}"
+        f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json"
+    )
 
 
 def weights_path(run_dir: Path, weights: str) -> Path:

@@ -3,10 +3,11 @@ composes the config, so `model.width=abc` or a misspelt key is refused before an
 Ranges and rules between keys are config.check's.
 
 The groups trainkit reads itself (trainer, checkpoint, accumulation, parallel, logger) are typed
-nodes of the root schema. model, optim, sched, task and data are `_target_` nodes whose keys are a
-constructor's arguments: each built-in option names its schema in its yaml
-(`defaults: [/schema/model/mlp@_here_, _self_]`). An option of your own (a yaml without that line)
-may carry any keys; give it a dataclass here to have them checked too.
+nodes of the root schema. optim and sched are `_target_` nodes whose keys are a constructor's
+arguments: each built-in option names its schema in its yaml (`defaults: [/schema/optim/sgd@_here_,
+_self_]`). model, data and task are the rooms' options: their schemas live beside their code
+(trainkit/models, data, tasks) and trainkit/options.py types them as the run starts; `Data` below is
+the base of every data set's schema: the keys the engine reads.
 """
 
 from dataclasses import dataclass, field
@@ -136,60 +137,7 @@ class Train:
     debug: Debug = field(default_factory=Debug)
 
 
-# The built-in options of the _target_ groups. Required arguments: MISSING (the yaml sets them).
-
-
-@dataclass
-class MLP:
-    _target_: str = MISSING
-    in_shape: list[int] = MISSING
-    num_classes: int = MISSING
-    width: int = 128
-    depth: int = 2
-    dropout: float = 0.0
-
-
-@dataclass
-class CNN:
-    _target_: str = MISSING
-    in_channels: int = MISSING
-    num_classes: int = MISSING
-    width: int = 32
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
-
-
-@dataclass
-class ResNet18:
-    _target_: str = MISSING
-    in_channels: int = MISSING
-    num_classes: int = MISSING
-    small_input: bool = False
-    activation_checkpointing: bool = False
-
-
-@dataclass
-class Timm:
-    _target_: str = MISSING
-    name: str = "resnet18"
-    num_classes: int = MISSING
-    in_chans: int = MISSING
-    img_size: int | None = None  # where the architecture takes one (ViTs); CNNs take any
-    pretrained: bool = False
-    activation_checkpointing: bool = False
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class GPT:
-    _target_: str = MISSING
-    vocab_size: int = MISSING
-    block_size: int = MISSING
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
+# The options of optim and sched (the engine's groups). Required arguments: MISSING (the yaml sets them).
 
 
 @dataclass
@@ -238,28 +186,9 @@ class OneCycle:
 
 
 @dataclass
-class Classification:
-    _target_: str = MISSING
-    label_smoothing: float = 0.0
-
-
-@dataclass
-class Regression:
-    _target_: str = MISSING
-
-
-@dataclass
-class LanguageModel:
-    _target_: str = MISSING
-    max_digits: int | None = None
-    per_character: bool = False
-    per_token: bool = False
-
-
-@dataclass
 class Data:
-    """The keys train.py reads from every data set; `splits` builds its (train, val, test) datasets
-    (a data set of one's own may return (train, val): it has no test split)."""
+    """The keys the engine reads from every data set (a data set's Schema subclasses it); `splits` builds its
+    (train, val, test) datasets (a data set of one's own may return (train, val): it has no test split)."""
 
     name: str = MISSING
     splits: Any = MISSING
@@ -273,144 +202,13 @@ class Data:
     prefetch_factor: int | None = None  # with workers: batches loaded ahead per worker (null: torch's 2)
 
 
-@dataclass
-class DigitsSplits:
-    _target_: str = MISSING
-    val_fraction: float = 0.2
-    test_fraction: float = 0.2
-
-
-@dataclass
-class Digits(Data):
-    splits: DigitsSplits = field(default_factory=DigitsSplits)
-
-
-@dataclass
-class FakeSplits:
-    _target_: str = MISSING
-    train_size: int = MISSING
-    val_size: int = MISSING
-    shape: list[int] = MISSING
-    num_classes: int = MISSING
-    test_size: int = 0
-
-
-@dataclass
-class Fake(Data):
-    splits: FakeSplits = field(default_factory=FakeSplits)
-
-
-@dataclass
-class TorchvisionSplits:
-    _target_: str = MISSING
-    name: str = MISSING
-    root: str = MISSING
-    download: bool = False
-    augment: bool = False
-    val_fraction: float = 0.1  # carved from the official training set; test: the official test set
-
-
-@dataclass
-class Torchvision(Data):
-    splits: TorchvisionSplits = field(default_factory=TorchvisionSplits)
-    root: str = MISSING
-    download: bool = False
-    augment: bool = False  # random training augmentation (CIFAR-10: crop + flip)
-
-
-@dataclass
-class AdditionSplits:
-    _target_: str = MISSING
-    max_digits: int = MISSING
-    num_train: int = MISSING
-    num_val: int = MISSING
-    block_size: int | None = None
-    num_test: int = 0
-
-
-@dataclass
-class Addition(Data):
-    splits: AdditionSplits = field(default_factory=AdditionSplits)
-    max_digits: int = 3
-    num_train: int = 20000
-    num_val: int = 1800
-    num_test: int = 1800
-    vocab_size: int = MISSING
-    block_size: int = MISSING
-
-
-@dataclass
-class PydocTextSplits:
-    _target_: str = MISSING
-    block_size: int = MISSING
-    random_offsets: bool = MISSING
-
-
-@dataclass
-class PydocText(Data):
-    splits: PydocTextSplits = field(default_factory=PydocTextSplits)
-    vocab_size: int = MISSING
-    block_size: int = MISSING
-    random_offsets: bool = True  # train blocks start at random positions in their document (trainkit/text.py)
-    per_character: bool = True  # task=lm: val/acc per character, and val/bpc
-
-
-@dataclass
-class TokensSplits:
-    _target_: str = MISSING
-    root: str = MISSING
-    block_size: int = MISSING
-    random_offsets: bool = MISSING
-
-
-@dataclass
-class Tokens(Data):
-    splits: TokensSplits = field(default_factory=TokensSplits)
-    root: str = MISSING  # scripts/prepare_text.py's --out (trainkit/tokens.py)
-    vocab_size: int = MISSING
-    block_size: int = MISSING
-    random_offsets: bool = True
-    per_token: bool = True  # task=lm: val/acc per token (no val/bpc: a BPE token is no character)
-
-
-@dataclass
-class ImageFolderSplits:
-    _target_: str = MISSING
-    root: str | None = None
-    image_size: int = MISSING
-    resize: int | None = None
-    mean: list[float] | None = None
-    std: list[float] | None = None
-
-
-@dataclass
-class ImageFolder(Data):
-    splits: ImageFolderSplits = field(default_factory=ImageFolderSplits)
-    root: str | None = None  # holds train/<class>/*, val/<class>/* and optionally test/<class>/*
-    image_size: int = 224
-    resize: int | None = None  # the eval transform's shorter side; null: image_size x 8/7
-    mean: list[float] | None = None  # null: computed from the train images
-    std: list[float] | None = None
-
-
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (before @hydra.main composes)."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=Train)
     options: dict[str, dict[str, type]] = {
-        "model": {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "gpt": GPT, "timm": Timm},
         "optim": {"adamw": AdamW, "sgd": SGD},
         "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
-        "task": {"classification": Classification, "lm": LanguageModel, "regression": Regression},
-        "data": {
-            "digits": Digits,
-            "fake": Fake,
-            "torchvision": Torchvision,
-            "addition": Addition,
-            "pydoc_text": PydocText,
-            "tokens": Tokens,
-            "image_folder": ImageFolder,
-        },
     }
     for group, nodes in options.items():
         for name, node in nodes.items():

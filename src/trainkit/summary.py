@@ -10,10 +10,10 @@ Training FLOPs are 3x the forward's (backward: 2x, the PaLM / nanoGPT convention
 
 FlopCounterMode counts 0 for the CPU kernel of scaled_dot_product_attention in torch 2.14.1
 (aten._scaled_dot_product_flash_attention_for_cpu has no formula): trainkit gives it torch's own
-sdpa_flop_count, as the CUDA kernels have. For a GPT the summary also shows nanoGPT's estimate
-6N + 12·L·H·Q·T per token (N: the parameters less the position embedding; the tied token
-embedding is the head's matmul), which ignores bias and LayerNorm FLOPs and counts bias and
-LayerNorm parameters as 6 FLOPs each: the two agree to ~13/(12·n_embd).
+sdpa_flop_count, as the CUDA kernels have. A model with a formula of its own (`flops_per_token(length)`
+and its `flops_formula` text) has it shown beside the count: model=gpt's is nanoGPT's 6N + 12·L·H·Q·T,
+which ignores bias and LayerNorm FLOPs and counts bias and LayerNorm parameters as 6 FLOPs each: the two
+agree to ~13/(12·n_embd).
 
 Rows: `mem/peak_gb`, the peak since the process started (10^9 bytes; the max over ranks, one
 all-reduce per logged row): on CUDA torch.cuda.max_memory_allocated, on CPU the process's peak RSS
@@ -34,9 +34,8 @@ from torch import nn
 from torch.utils import flop_counter
 
 from trainkit.batch import to_device, unpack
-from trainkit.data import collate_fn
 from trainkit.dist import Dist
-from trainkit.models import GPT
+from trainkit.loading import collate_fn
 
 # Dense peaks in TFLOP/s (no sparsity) by a substring of torch.cuda.get_device_name(), first match
 # wins: bf16/fp16 tensor cores, and fp32 without TF32 (torch's matmul default). The vendors' data sheets.
@@ -120,12 +119,6 @@ def forward_flops(model: nn.Module, x, device: torch.device) -> int:
             module.training = training
 
 
-def gpt_formula(model: GPT, length: int) -> float:
-    """nanoGPT's estimate_mfu: training FLOPs per token, 6N + 12·L·H·Q·T (H·Q = n_embd)."""
-    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    return float(6 * n + 12 * len(model.blocks) * model.wte.embedding_dim * length)
-
-
 def peak_memory_gb(d: Dist) -> float:
     """The peak memory since the process started, in 10^9 bytes, the max over ranks (one all-reduce)."""
     if d.device.type == "cuda":
@@ -196,9 +189,9 @@ def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Effici
         facts |= {"flops_per_token": train / length, "flops_forward_per_token": forward / length, "context": length}
         line = f"FLOPs per token (context {length}): {_count(forward / length)} forward, "
         line += f"{_count(train / length)} training"
-        if isinstance(model, GPT):
-            facts["flops_per_token_formula"] = gpt_formula(model, length)
-            line += f" (6N + 12·L·H·Q·T: {_count(facts['flops_per_token_formula'])})"
+        if (formula := getattr(model, "flops_per_token", None)) is not None:  # its own (model=gpt: nanoGPT's)
+            facts["flops_per_token_formula"] = formula(length)
+            line += f" ({getattr(model, 'flops_formula', 'its formula')}: {_count(facts['flops_per_token_formula'])})"
         lines.append(line + " (FlopCounterMode, training = 3x forward)")
     else:
         facts |= {"flops_per_sample": train, "flops_forward_per_sample": forward}

@@ -15,17 +15,43 @@ operand-length pair: every pair gets its share of each split (drawn naively, all
 """
 
 import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 from torch.utils.data import Dataset
 
 from trainkit.errors import ConfigError
+from trainkit.schema import Data
 
 VOCAB = "0123456789+=$."  # $: end of the answer, .: padding
 END, PAD = VOCAB.index("$"), VOCAB.index(".")
 IGNORE = -100  # the target of a position that bears no loss (F.cross_entropy's ignore_index)
 _SPLIT_SEED = 1234  # fixed: the splits never depend on the run's seed
+
+
+@dataclass
+class Splits:
+    _target_: str = MISSING
+    max_digits: int = MISSING
+    num_train: int = MISSING
+    num_val: int = MISSING
+    block_size: int | None = None
+    num_test: int = 0
+
+
+@dataclass
+class Schema(Data):
+    """conf/data/addition.yaml's keys and their types."""
+
+    splits: Splits = field(default_factory=Splits)
+    max_digits: int = 3
+    num_train: int = 20000
+    num_val: int = 1800
+    num_test: int = 1800
+    vocab_size: int = MISSING
+    block_size: int = MISSING
 
 
 def encode(text: str) -> list[int]:

@@ -1,18 +1,14 @@
-"""Datasets and samplers: the train split is sharded by DistributedSampler, evaluation by
-contiguous shards that never pad or repeat a sample."""
+"""Loading batches: the train split sharded by DistributedSampler, evaluation by contiguous shards that
+never pad or repeat a sample; and what a data set may use (InMemory, held_out). The data sets themselves
+are in trainkit/data/ (the room of conf/data)."""
 
-import copy
-import importlib.util
 import itertools
 import math
 from collections.abc import Iterable
-from pathlib import Path
 from typing import cast
 
-import numpy as np
 import torch
-from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from trainkit.batch import collate, emptied
 from trainkit.dist import Dist
@@ -38,53 +34,7 @@ class InMemory(TensorDataset):
         return list(zip(*(tensor[indices] for tensor in self.tensors), strict=True))
 
 
-def digits(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
-    """scikit-learn's bundled 8x8 digits, scaled to [0, 1]: (train, val, test), a fixed split whatever
-    the seed. One fixed permutation: val is its first `val_fraction` (the same images as before the
-    test split existed), test the next `test_fraction`, train the rest; never overlapping."""
-    images, targets = _bundled_digits()
-    n_val, n_test = _held_out(len(targets), val_fraction, test_fraction)
-    order = np.random.RandomState(0).permutation(len(targets))
-    x = torch.tensor(images[order] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8)
-    y = torch.tensor(targets[order], dtype=torch.long)
-    held = n_val + n_test
-    return InMemory(x[held:], y[held:]), InMemory(x[:n_val], y[:n_val]), InMemory(x[n_val:held], y[n_val:held])
-
-
-def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits.csv.gz read as its load_digits reads it, without importing scikit-learn: that import
-    cost 0.8 s of CPU at every start of the default job (scripts/bench_startup.py). load_digits itself where
-    the file is not where scikit-learn keeps it."""
-    spec = importlib.util.find_spec("sklearn")
-    folders = spec.submodule_search_locations if spec is not None else None
-    path = Path(folders[0]) / "datasets" / "data" / "digits.csv.gz" if folders else None
-    if path is None or not path.is_file():
-        from sklearn.datasets import load_digits
-
-        return load_digits(return_X_y=True)
-    table = np.loadtxt(path, delimiter=",")
-    return table[:, :-1], table[:, -1].astype(int)
-
-
-def diabetes(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
-    """scikit-learn's bundled diabetes data (442 patients, 10 features, a disease-progression score one
-    year later): (train, val, test) by one fixed permutation as digits', for task=regression. Features and
-    target are standardised with the training split's mean and standard deviation (so val/rmse is in
-    standard deviations of the score: 1.0 is the mean's, and val/r2 is unchanged by the scaling)."""
-    from sklearn.datasets import load_diabetes
-
-    features, target = load_diabetes(return_X_y=True)
-    n_val, n_test = _held_out(len(target), val_fraction, test_fraction)
-    order = np.random.RandomState(0).permutation(len(target))
-    x, y = torch.tensor(features[order]), torch.tensor(target[order])
-    held = n_val + n_test
-    x = (x - x[held:].mean(0)) / x[held:].std(0)
-    y = (y - y[held:].mean()) / y[held:].std()
-    x, y = x.float(), y.float()
-    return InMemory(x[held:], y[held:]), InMemory(x[:n_val], y[:n_val]), InMemory(x[n_val:held], y[n_val:held])
-
-
-def _held_out(samples: int, val_fraction: float, test_fraction: float) -> tuple[int, int]:
+def held_out(samples: int, val_fraction: float, test_fraction: float) -> tuple[int, int]:
     """(val, test) sizes of data.splits' fractions, refused in one line where they leave no training sample."""
     for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if not 0 <= value < 1:
@@ -95,89 +45,6 @@ def _held_out(samples: int, val_fraction: float, test_fraction: float) -> tuple[
             f"data.splits.val_fraction={val_fraction} + test_fraction={test_fraction} leave no training samples"
         )
     return n_val, n_test
-
-
-def fake(train_size: int, val_size: int, shape, num_classes: int, test_size: int = 0) -> tuple[Dataset, ...]:
-    """torchvision FakeData: (train, val, test), each other images (FakeData seeds image i from
-    i + random_offset: the offsets 0, train_size and train_size + val_size never overlap)."""
-    from torchvision import datasets, transforms
-
-    def split(size, offset):
-        dataset = datasets.FakeData(size, tuple(shape), num_classes, transforms.ToTensor(), random_offset=offset)
-        dataset.draws_random = False  # it seeds (index + offset) itself and puts the state back
-        return dataset
-
-    return split(train_size, 0), split(val_size, train_size), split(test_size, train_size + val_size)
-
-
-_NORMALIZE = {"MNIST": ((0.1307,), (0.3081,)), "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
-
-
-def _augmentation(name: str) -> list:
-    """The training split's random augmentation (data.augment=true). torchvision's transforms draw
-    from torch's global RNG, which SeededBatches seeds per sample from (seed, epoch, sample index):
-    the same draws at any world size, micro-batch and worker, and after a resume."""
-    from torchvision import transforms
-
-    if name == "CIFAR10":  # the standard CIFAR recipe: pad 4 and crop back to 32, mirror half the images
-        return [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-    raise ConfigError(f"data.augment=true: no augmentation is defined for {name} (only CIFAR10)")
-
-
-def carve(num_samples: int, val_fraction: float) -> tuple[list[int], list[int]]:
-    """(train, val) indices of an official training set: val is the first `val_fraction` of a fixed
-    permutation (numpy's RandomState(0), whatever the run's seed), train the rest, each in file order."""
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.splits.val_fraction={val_fraction} must be >= 0 and < 1")
-    order = np.random.RandomState(0).permutation(num_samples)
-    n_val = round(num_samples * val_fraction)
-    return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
-
-
-def torchvision_splits(
-    name: str, root: str, download: bool, augment: bool = False, val_fraction: float = 0.1
-) -> tuple[Dataset, Dataset, Dataset]:
-    """A torchvision classification set (MNIST, CIFAR10) read from `root`: (train, val, test). test is
-    the official test set; val is carved from the official training set (`carve`: a fixed 10 %), so
-    model selection never sees the test set. `augment`: random augmentation of the training split
-    (val and test are never augmented)."""
-    from torchvision import datasets, transforms
-
-    tensor = [transforms.ToTensor(), transforms.Normalize(*_NORMALIZE[name])]
-    train_transform = transforms.Compose((_augmentation(name) if augment else []) + tensor)
-    plain = transforms.Compose(tensor)
-    try:
-        train, test = (
-            getattr(datasets, name)(root, train=is_train, download=download, transform=transform)
-            for is_train, transform in ((True, train_transform), (False, plain))
-        )
-    except RuntimeError:  # torchvision: "Dataset not found or corrupted. You can use download=True..."
-        raise ConfigError(
-            f"data.root={root} holds no {name} data: put the files there, point data.root "
-            f"(or $TRAINKIT_DATA) at them, or pass data.download=true"
-        ) from None
-    carved = copy.copy(train)  # the same images in memory, read without the augmentation
-    carved.transform = plain
-    train_idx, val_idx = carve(len(train), val_fraction)
-    splits = (Subset(train, train_idx), Subset(carved, val_idx), test)
-    for split, draws in zip(splits, (augment, False, False), strict=True):
-        split.draws_random = draws  # without augmentation: no per-sample seeding to pay
-    return splits
-
-
-def micro_batch(global_batch: int, steps: int | None, world_size: int | str = 1) -> int:
-    """${micro_batch:<global batch>,<K>,<world size>}: the per-device batch that keeps the global
-    batch fixed whatever K (null: 1) and the world size (conf/experiment/accumulation_sweep.yaml)."""
-    per_step = int(steps or 1) * int(world_size)
-    if int(global_batch) % per_step:
-        raise ConfigError(
-            f"micro_batch: the global batch {global_batch} is not a multiple of K x world size = {steps} x {world_size}"
-        )
-    return int(global_batch) // per_step
-
-
-# Registered at import: train.py and predict.py import this module before they read the config.
-OmegaConf.register_new_resolver("micro_batch", micro_batch, replace=True)
 
 
 def collate_fn(dataset: Dataset):

@@ -7,7 +7,7 @@ Why a module of its own: timm's models need three things trainkit's own models b
   "Bottleneck" (ResNet-50 and up), or one of EfficientNet's block classes (_MORE_BLOCKS). A block inside
   another is a unit too (FSDP2 shards innermost first); what no block holds (stem, downsampling, the
   final norm and head) stays in the root. A model with none of them: trainkit's default units.
-- Activation checkpointing: each outermost block is one checkpointed segment (trainkit.models'
+- Activation checkpointing: each outermost block is one checkpointed segment (trainkit.recompute's
   checkpointed: BatchNorm's running statistics put back after the recomputation, so the step is the
   same bit for bit). timm's own set_grad_checkpointing would update them twice.
 - Arguments: timm's builders pass keyword arguments through to the model class, and which ones a class
@@ -22,14 +22,31 @@ Why a module of its own: timm's models need three things trainkit's own models b
 
 import difflib
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from omegaconf import MISSING
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainkit.errors import ConfigError
-from trainkit.models import _KeepBatchNormStats, recomputing_pays
+from trainkit.recompute import _KeepBatchNormStats, recomputing_pays
+
+
+@dataclass
+class Schema:
+    """conf/model/timm.yaml's keys and their types."""
+
+    _target_: str = MISSING
+    name: str = "resnet18"
+    num_classes: int = MISSING
+    in_chans: int = MISSING
+    img_size: int | None = None  # where the architecture takes one (ViTs); CNNs take any
+    pretrained: bool = False
+    activation_checkpointing: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
 
 _MORE_BLOCKS = ("InvertedResidual", "DepthwiseSeparableConv", "EdgeResidual")
 

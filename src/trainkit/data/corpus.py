@@ -1,5 +1,5 @@
 """Preparing a tokenized corpus for data=tokens (scripts/prepare_text.py): text files in, train/val/test
-.bin files of token ids, tokenizer.json and meta.json out (the format trainkit/tokens.py reads).
+.bin files of token ids, tokenizer.json and meta.json out (the format trainkit/data/tokens.py reads).
 
 The split is by document and fixed: a permutation seeded by --seed of the sorted file list, val its
 first --val-fraction of the documents, test the next --test-fraction, train the rest (each split then
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainkit.data.tokens import BYTES_EOT, EOT_TEXT, META_FILE, SPLITS, TOKENIZER_FILE, Codec, sha256_file
 from trainkit.errors import ConfigError
-from trainkit.tokens import BYTES_EOT, EOT_TEXT, META_FILE, SPLITS, TOKENIZER_FILE, Codec, sha256_file
 
 
 def find_files(inputs: list[str], patterns: list[str], exclude: list[str]) -> list[Path]:

@@ -2,23 +2,36 @@
 over the global batch (task=contrastive: its loss couples the batch, trainkit/coupled.py makes it exact at
 any allocation), evaluated by k-nearest-neighbour accuracy of the encoder's embeddings (val/knn_acc).
 
-Here: the task, its kNN evaluation, the digits views data set (data=digits_views) and a small encoder with a
-projection head (model=simclr)."""
+Here: the task and its kNN evaluation; the views: trainkit/data/digits_views.py, the model:
+trainkit/models/simclr.py."""
 
 import math
-from typing import cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import MISSING
 from torch import nn
 from torch.utils.data import Dataset
 
 from trainkit.batch import to_device
-from trainkit.data import InMemory, digits, eval_loader
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.inference import gather
+from trainkit.loading import eval_loader
 from trainkit.parallel import EqualBatches
+
+
+@dataclass
+class Schema:
+    """conf/task/contrastive.yaml's keys and their types."""
+
+    _target_: str = MISSING
+    temperature: float = 0.2
+    knn_k: int = 10
+    bank_batch_size: int = 256
+    bank: Any = None  # a _target_ node: the labelled split kNN classifies against
 
 
 class Contrastive:
@@ -100,58 +113,3 @@ def knn_predict(queries: torch.Tensor, bank: torch.Tensor, labels: torch.Tensor,
     similarity, nearest = (F.normalize(queries, dim=1) @ bank.T).topk(min(k, len(bank)), dim=1)
     votes = torch.zeros(len(queries), int(labels.max()) + 1, device=queries.device)
     return votes.scatter_add_(1, labels[nearest], similarity).argmax(dim=1)
-
-
-class DigitsViews(Dataset):
-    """Two random views of each image: shifted by up to `shift` pixels (zero padding), intensity scaled by a
-    factor in [1 - contrast, 1 + contrast], Gaussian noise of `noise`. The draws come from torch's generator,
-    which SeededBatches seeds per sample from (seed, epoch, index): the same views at any allocation."""
-
-    draws_random = "torch"
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, shift=1, contrast=0.3, noise=0.1):
-        self.images, self.labels, self.shift, self.contrast, self.noise = images, labels, shift, contrast, noise
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> dict:
-        image = self.images[index]
-        return {"views": torch.stack([self._view(image), self._view(image)]), "label": self.labels[index]}
-
-    def _view(self, image: torch.Tensor) -> torch.Tensor:
-        s, (h, w) = self.shift, image.shape[-2:]
-        dy, dx = torch.randint(0, 2 * s + 1, (2,)).tolist()
-        view = F.pad(image, (s, s, s, s))[..., dy : dy + h, dx : dx + w]
-        view = view * (1 + self.contrast * (2 * torch.rand(()) - 1))
-        return view + self.noise * torch.randn_like(view)
-
-
-def digits_views(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
-    """data=digits_views: digits' splits; train yields two views of each image, val and test the images."""
-    train, val, test = digits(val_fraction, test_fraction)
-    return DigitsViews(*cast(InMemory, train).tensors), val, test
-
-
-def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> Dataset:
-    """task.bank for data=digits_views: digits' train split as it is (images, labels), no augmentation."""
-    return digits(val_fraction, test_fraction)[0]
-
-
-class SimCLR(nn.Module):
-    """An MLP encoder with LayerNorm (exact at any allocation, unlike BatchNorm) and a projection head. Train
-    mode: the head's projections (what NT-Xent reads); eval mode: the encoder's embeddings (what kNN reads)."""
-
-    def __init__(self, in_shape, width: int = 256, depth: int = 2, dim: int = 64, dropout: float = 0.0):
-        super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
-        features = math.prod(in_shape)
-        for _ in range(depth):
-            layers += [nn.Linear(features, width), nn.LayerNorm(width), nn.ReLU(), nn.Dropout(dropout)]
-            features = width
-        self.encoder = nn.Sequential(*layers)
-        self.head = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        embedding = self.encoder(x)
-        return self.head(embedding) if self.training else embedding

@@ -23,19 +23,42 @@ run dir gets copies of meta.json and tokenizer.json, so predict.py samples witho
 import functools
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import MISSING, OmegaConf
 from torch.utils.data import Dataset
 
-from trainkit.addition import IGNORE
+from trainkit.data.addition import IGNORE
 from trainkit.errors import ConfigError
+from trainkit.schema import Data
 
 META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"  # in data.root, and copied into the run dir
 SPLITS = ("train", "val", "test")
 EOT_TEXT = "<|endoftext|>"  # the BPE's end-of-text token (id 0)
 BYTES_EOT = 256  # the bytes tokenizer's end-of-text id
+
+
+@dataclass
+class Splits:
+    _target_: str = MISSING
+    root: str = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = MISSING
+
+
+@dataclass
+class Schema(Data):
+    """conf/data/tokens.yaml's keys and their types."""
+
+    splits: Splits = field(default_factory=Splits)
+    root: str = MISSING  # scripts/prepare_text.py's --out
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = True
+    per_token: bool = True  # task=lm: val/acc per token (no val/bpc: a BPE token is no character)
 
 
 def sha256_file(path: Path) -> str:
@@ -48,7 +71,7 @@ def sha256_file(path: Path) -> str:
 
 class Codec:
     """A corpus's tokenizer: encode / decode text, its vocabulary size and end-of-text id. Also what
-    trainkit.sampling asks of a vocabulary (`pad`: the first id never drawn; `unknown`: nothing, both
+    trainkit/tasks/lm_predict.py asks of a vocabulary (`pad`: the first id never drawn; `unknown`: nothing, both
     tokenizers encode any text)."""
 
     def __init__(self, kind: str, tokenizer_json: str | None = None):
@@ -162,7 +185,7 @@ class _Split:
 
 class RandomBlocks(_Split, Dataset):
     """(tokens - 1) // block_size blocks per epoch, each at a start drawn from the sample's seed, a function
-    of (seed, epoch, sample index) (trainkit.data.SeededBatches: draws_random = "seed"); outside the
+    of (seed, epoch, sample index) (trainkit.loading.SeededBatches: draws_random = "seed"); outside the
     train loader from torch's generator."""
 
     draws_random = "seed"
@@ -253,3 +276,7 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
     if len(val) == 0:
         train.summary += "; val.bin holds no token to predict: no evaluation (prepare_text.py --val-fraction > 0)"
     return train, val, (None if len(test) == 0 else test)
+
+
+# ${tokens_vocab_size:${data.root}} (conf/data/tokens.yaml): the vocabulary size in the corpus's meta.json.
+OmegaConf.register_new_resolver("tokens_vocab_size", vocab_size, replace=True)

@@ -25,19 +25,39 @@ import hashlib
 import json
 import math
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import MISSING, OmegaConf
 from torch.utils.data import Dataset
 
-from trainkit.addition import IGNORE
-from trainkit.data import InMemory
+from trainkit.data.addition import IGNORE
 from trainkit.errors import ConfigError
+from trainkit.loading import InMemory
+from trainkit.schema import Data
 
 VOCAB_FILE = "vocab.json"  # in the run dir
 VAL_SHARE = 0.1  # at most this share of the characters is held out for validation
 TEST_SHARE = 0.1  # and at most this share, of other documents, for the test split
+
+
+@dataclass
+class Splits:
+    _target_: str = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = MISSING
+
+
+@dataclass
+class Schema(Data):
+    """conf/data/pydoc_text.yaml's keys and their types."""
+
+    splits: Splits = field(default_factory=Splits)
+    vocab_size: int = MISSING
+    block_size: int = MISSING
+    random_offsets: bool = True  # train blocks start at random positions in their document
+    per_character: bool = True  # task=lm: val/acc per character, and val/bpc
 
 
 @dataclass(frozen=True)
@@ -212,3 +232,15 @@ def splits(block_size: int = 64, random_offsets: bool = True) -> tuple[Blocks | 
         f"test {len(test_names)} ({test.characters:,}): {', '.join(test_names)}"
     )
     return train, val, test
+
+
+# ${pydoc_vocab_size:} (conf/data/pydoc_text.yaml): the running Python's corpus's characters and the padding token.
+OmegaConf.register_new_resolver("pydoc_vocab_size", vocab_size, replace=True)
+
+
+def check_run(run_dir: Path, run_cfg) -> None:
+    """Before eval.py or predict.py rebuild a finished run's split: it is this Python's corpus only where the
+    run's vocabulary is this Python's (the documentation differs between Python versions)."""
+    vocab = Vocabulary.load(run_dir)
+    if vocab is not None and vocab != vocabulary():
+        raise ConfigError(f"run_dir={run_dir}: its {VOCAB_FILE} is not this Python's corpus's vocabulary")

@@ -36,10 +36,36 @@ the last checkpoint are lost, as at any failure, and the same command resumes on
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import MISSING, OmegaConf
+
 from trainkit.errors import ConfigError, RankError
+from trainkit.schema import Data
+
+
+@dataclass
+class Splits:
+    _target_: str = MISSING
+    root: str | None = None
+    image_size: int = MISSING
+    resize: int | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+
+@dataclass
+class Schema(Data):
+    """conf/data/image_folder.yaml's keys and their types."""
+
+    splits: Splits = field(default_factory=Splits)
+    root: str | None = None  # holds train/<class>/*, val/<class>/* and optionally test/<class>/*
+    image_size: int = 224
+    resize: int | None = None  # the eval transform's shorter side; null: image_size x 8/7
+    mean: list[float] | None = None  # null: computed from the train images
+    std: list[float] | None = None
+
 
 STATS_IMAGES = 1000  # at most this many train images give the computed mean and std
 SPLIT_DIRS = ("train", "val", "test")
@@ -254,3 +280,8 @@ def splits(
         + (f" (computed from {min(len(train), STATS_IMAGES)} train images)" if computed else "")
     )
     return tuple(made)
+
+
+# ${image_folder_classes:${data.root}} (conf/data/image_folder.yaml), which checks the folder too; use_cache: a
+# config scans it once however often data.num_classes is read.
+OmegaConf.register_new_resolver("image_folder_classes", num_classes, replace=True, use_cache=True)

@@ -1,0 +1,22 @@
+"""The data sets room (conf/data/<name>.yaml: one file here per data set family). Yours goes here too.
+
+A data set is what `data.splits._target_` returns: (train, val, test) map-style data sets (`__len__`,
+`__getitem__`), or (train, val) when there is no test split. A sample may be anything the default collation
+stacks: a tensor pair, a tuple of any length, a dict, a dataclass or named tuple of tensors, nested; a data
+set with its own `collate_fn` attribute (padding sequences, say) batches them itself. The task's `unpack`
+says what of a batch the model gets and what is the target. The engine reads, all optional:
+- `draws_random`: False when loading a sample draws nothing from Python's, numpy's or torch's generators
+  (then nothing is seeded per sample); "torch" when it draws from torch's alone. Without it, trainkit seeds
+  all three per sample from (seed, epoch, index): the same draws at any allocation and after a resume.
+- trainkit.loading.InMemory (a TensorDataset loaded by one indexing per batch) and `held_out` (split sizes
+  from fractions, refused in one line where they leave no training sample) are there to use.
+The yaml's other keys: `shape` and `num_classes` (what the models interpolate), `batch_size`, `shuffle`,
+`drop_last`, `num_workers`, ... (trainkit.schema.Data: the keys every data set has).
+
+Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
+- `Schema`: a dataclass subclassing trainkit.schema.Data, the yaml's keys and their types.
+- `check(cfg)`: refuse a config it cannot work with (trainkit.errors.ConfigError naming the key).
+- `check_run(run_dir, run_cfg)`: eval.py and predict.py call it on a finished run of this data set (e.g.
+  data=pydoc_text: the vocabulary it trained with is this Python's).
+- resolvers its yaml uses, registered when the module is imported (OmegaConf.register_new_resolver).
+"""

@@ -1,0 +1,57 @@
+"""data=digits_views: digits for contrastive learning (task=contrastive, +experiment=digits_simclr); the train
+split yields two random views of each image, val and test the images with their labels."""
+
+import math
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from trainkit.data.digits import Schema, digits  # noqa: F401  Schema: digits' keys
+from trainkit.loading import InMemory
+
+
+class DigitsViews(Dataset):
+    """Two random views of each image: a random affine map (rotated by up to `rotation` degrees, scaled by a
+    factor in [1 - scale, 1 + scale], shifted by up to `shift` pixels each way; bilinear, zero outside), intensity
+    scaled by a factor in [1 - contrast, 1 + contrast], Gaussian noise of `noise`. Rotation and scale are what
+    make the encoder's embedding better than the pixels for kNN (README: Contrastive learning); a shift alone
+    teaches little beyond them. The draws come from torch's generator, which SeededBatches seeds per sample from
+    (seed, epoch, index): the same views at any allocation."""
+
+    draws_random = "torch"
+
+    def __init__(self, images, labels, shift=1.0, rotation=15.0, scale=0.15, contrast=0.3, noise=0.1):
+        self.images, self.labels = images, labels
+        self.shift, self.rotation, self.scale, self.contrast, self.noise = shift, rotation, scale, contrast, noise
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict:
+        image = self.images[index]
+        return {"views": torch.stack([self._view(image), self._view(image)]), "label": self.labels[index]}
+
+    def _view(self, image: torch.Tensor) -> torch.Tensor:
+        angle, scale, dy, dx, contrast = (2 * torch.rand(5) - 1).tolist()
+        angle, scale = math.radians(self.rotation * angle), 1 + self.scale * scale
+        h, w = image.shape[-2:]
+        cos, sin = math.cos(angle) / scale, math.sin(angle) / scale
+        # affine_grid's coordinates run from -1 to 1 across the image: a pixel is 2 / size of them
+        theta = torch.tensor([[[cos, -sin, 2 * self.shift * dx / w], [sin, cos, 2 * self.shift * dy / h]]])
+        grid = F.affine_grid(theta, [1, *image.shape], align_corners=False)
+        view = F.grid_sample(image[None], grid, align_corners=False)[0]
+        view = view * (1 + self.contrast * contrast)
+        return view + self.noise * torch.randn_like(view)
+
+
+def digits_views(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
+    """data=digits_views: digits' splits; train yields two views of each image, val and test the images."""
+    train, val, test = digits(val_fraction, test_fraction)
+    return DigitsViews(*cast(InMemory, train).tensors), val, test
+
+
+def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> Dataset:
+    """task.bank for data=digits_views: digits' train split as it is (images, labels), no augmentation."""
+    return digits(val_fraction, test_fraction)[0]

@@ -1,0 +1,16 @@
+"""The models room (conf/model/<name>.yaml: one file here per model family). Yours goes here too.
+
+A model is an `nn.Module` that a yaml's `_target_` builds (a class or a function returning one); its keys are
+the constructor's arguments, usually interpolated from the data (`num_classes: ${data.num_classes}`). It gets
+what the task's `unpack` says the model gets (a tensor, or a dict / tuple the forward takes apart) and returns
+what the task's `loss_sum` reads. What the engine reads from it, all optional:
+- `shard_units`: the class names of its repeated blocks, parallel=fsdp's units (default: torch's rule).
+- BatchNorm layers: converted to SyncBN with parallel.sync_bn; activation checkpointing through
+  trainkit.recompute (`Staged`, `checkpointed`) keeps the step the same bit for bit.
+- `flops_per_token(length)` and `flops_formula`: a formula the summary prints beside its FLOP count.
+
+Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
+- `Schema`: a dataclass of the yaml's keys: their types are checked (`model.width=abc` refused in one line) and
+  its defaults fill in what the yaml leaves out.
+- `check(cfg)`: refuse a config the model cannot work with, raising trainkit.errors.ConfigError naming the key.
+"""

@@ -1,0 +1,50 @@
+"""model=simclr: an encoder with a projection head for contrastive learning (task=contrastive)."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from omegaconf import MISSING
+from torch import nn
+
+
+@dataclass
+class Schema:
+    """conf/model/simclr.yaml's keys and their types."""
+
+    _target_: str = MISSING
+    in_shape: list[int] = MISSING
+    width: int = 256
+    depth: int = 2
+    dim: int = 64
+    dropout: float = 0.0
+    channels: int | None = None  # a conv encoder's first channels; null: an MLP
+
+
+class SimCLR(nn.Module):
+    """An encoder and a projection head. Train mode: the head's projections (what NT-Xent reads); eval mode: the
+    encoder's embeddings (what kNN reads). The encoder: with `channels`, three 3x3 convolutions (channels, 2x,
+    4x; GroupNorm, a 2x2 max-pool after the second) and a linear layer to `width`; else an MLP of `depth`
+    layers. LayerNorm and GroupNorm, not BatchNorm: a sample's embedding depends on it alone, so the coupled
+    loss is exact at any allocation."""
+
+    def __init__(self, in_shape, width=256, depth=2, dim=64, dropout=0.0, channels: int | None = None):
+        super().__init__()
+        layers: list[nn.Module] = []
+        features = math.prod(in_shape)
+        if channels:
+            c, groups = channels, min(8, channels)
+            for c_in, c_out, pool in ((in_shape[0], c, False), (c, 2 * c, True), (2 * c, 4 * c, False)):
+                layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.GroupNorm(groups, c_out), nn.ReLU()]
+                layers += [nn.MaxPool2d(2)] if pool else []
+            features = 4 * c * (in_shape[1] // 2) * (in_shape[2] // 2)
+        layers.append(nn.Flatten())
+        for _ in range(1 if channels else depth):
+            layers += [nn.Linear(features, width), nn.LayerNorm(width), nn.ReLU(), nn.Dropout(dropout)]
+            features = width
+        self.encoder = nn.Sequential(*layers)
+        self.head = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding = self.encoder(x)
+        return self.head(embedding) if self.training else embedding

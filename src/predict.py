@@ -14,6 +14,7 @@ answers greedily and samples a text run (data=pydoc_text, tokens) from `prompt=`
 (trainkit/tasks/lm_predict.py). The corpus is not needed.
 """
 
+import inspect
 from pathlib import Path
 from typing import cast
 
@@ -85,6 +86,8 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
         )
     if not hasattr(task, "predictions"):
         raise ConfigError(f"run_dir={cfg.run_dir}: its task ({type(task).__name__}) declares no predictions")
+    if cfg.predict.probs and "probs" not in inspect.signature(task.predictions).parameters:
+        raise ConfigError(f"predict.probs=true: the predictions of {type(task).__name__} have no class probabilities")
     options.check_run(Path(cfg.run_dir), run_cfg)  # the split is rebuilt here
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
     value = run(cfg, run_cfg, task, d, out_dir)

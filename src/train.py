@@ -4,9 +4,12 @@
 Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 """
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import hydra
 import torch
@@ -16,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
-from trainkit.accumulate import EpochLayout, sync_context, syncs_now
+from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpack
 from trainkit.coupled import CoupledWindows, couples
@@ -25,7 +28,7 @@ from trainkit.errors import ConfigError, RankError, Stopped, user_error
 from trainkit.evaluate import evaluate, evaluate_averaged
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
-from trainkit.loading import TrainLoader
+from trainkit.loading import TrainWindows
 from trainkit.metrics import TrainMeter, make_logger
 from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
@@ -34,6 +37,175 @@ from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
 from trainkit.summary import describe
+
+
+@dataclass
+class StepParts:
+    """What an optimizer step works with, built once by train()."""
+
+    model: torch.nn.Module  # wrapped for the parallel mode
+    task: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    guard: StepGuard
+    meter: TrainMeter
+    auto: AutoBatch
+    coupled: CoupledWindows | None
+    autocast: Callable
+    ema: EMA
+    d: dist.Dist
+    seed: int
+    strategy: str  # accumulation.strategy: no_sync | sync_each_batch
+    max_norm: float  # trainer.clip_grad_norm; inf: measure the norm, clip nothing
+    # (Plain values, read once: one OmegaConf attribute costs 10-30 us, 4-9 % of the default mlp's step.)
+
+    @property
+    def stateful(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any, TrainMeter]:
+        """What a checkpoint holds of them."""
+        return unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.meter
+
+
+def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> tuple[str, torch.Tensor, int, Any]:
+    """One optimizer step on the global window of up to K micro-batches per rank: forward and backward under the
+    sync decision, clip, decide on every rank together, step. (outcome, grad norm, samples, loss-bearing items)."""
+    samples = windows.layout.window_samples(window)
+    while True:  # data.batch_size=auto: a window that ran out of memory runs again (auto.retry)
+        # Fetched first, so its number of loss-bearing items (samples; tokens for a sequence task) is known
+        # before the first backward.
+        with s.meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
+            micro = windows.fetch(window)
+        # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
+        # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
+        seed_step(s.seed, step, s.d.rank, s.d.device)
+        items: int | torch.Tensor = samples
+        if s.task.items_name:  # counted in the data: one all-reduce of a number per step
+            counts = sum(s.task.items(unpack(s.task, batch)[1]) for batch in micro)
+            items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64))
+        # The gradient is the mean over the window's items of all ranks, also for a short window (items, not
+        # K x batch). DDP and FSDP average over ranks: hence world_size.
+        scale = s.d.world_size / items
+        s.guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
+        if s.coupled is not None:  # the loss couples the global batch: gradient caching (trainkit/coupled.py)
+            s.coupled.run(micro, scale, s.strategy)
+        else:
+            for k, batch in s.auto.micro_steps(micro):  # auto: up to this rank's out of memory
+                x, y = unpack(s.task, to_device(batch, s.d.device))  # what the model gets, what the loss reads
+                # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
+                # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
+                with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():
+                    with s.autocast():
+                        loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
+                    s.scaler.scale(loss_sum * scale).backward()
+                    s.meter.add_micro_step(loss_sum)
+        if not s.auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
+            break
+        # Drop what the attempt touched; the same window again with half the micro-batch, twice K:
+        # the same samples and dropout draws, so the run is the one with that micro-batch throughout.
+        s.optimizer.zero_grad(set_to_none=True)
+        s.guard.put_back_buffers()
+        s.meter.drop_window()
+        windows.refit(window)
+    s.scaler.unscale_(s.optimizer)  # clip true gradients, once, after the sync
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.max_norm))  # FSDP: a DTensor
+    # All ranks decide together: a rank skipping alone would hang the others. Only skip and fp16 need it
+    # before the step (a host sync); raise checks per row (guard.check).
+    outcome = s.guard.decide(s.meter, grad_norm, step + 1)
+    if outcome == "step":
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
+        s.scheduler.step()  # only when the optimizer stepped: the schedule counts real steps
+        s.ema.update()  # so too the average: a skipped window leaves no trace in it
+    else:
+        s.guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
+    s.optimizer.zero_grad(set_to_none=True)
+    return outcome, grad_norm, samples, items
+
+
+def announce(
+    cfg: DictConfig,
+    d: dist.Dist,
+    mode: str,
+    splits: tuple,
+    windows: TrainWindows,
+    total_steps: int,
+    run_dir: Path,
+    no_test: str | None,
+) -> None:
+    """Rank 0's first lines: the allocation, the model, the data and the batch arithmetic."""
+    model_name = cfg.model.get("name") or cfg.model._target_.split(".")[-1]  # model=timm: its model.name
+    train_set, val_set, test_set = splits
+    layout, steps = windows.layout, windows.layout.windows(cfg.data.drop_last)
+    d.print0(
+        f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
+        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
+        f"precision={cfg.trainer.precision}\n"
+        f"global batch {layout.global_batch} = {d.world_size} ranks x {layout.batch_size} micro-batch "
+        f"x {layout.steps} accumulation ({cfg.accumulation.strategy}) | {steps} steps/epoch, "
+        f"{total_steps} steps, {math.ceil(total_steps / steps)} epochs | run dir {run_dir}"
+    )
+    if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
+        d.print0(summary)
+    if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
+        d.print0(no_test)
+
+
+def build_step(
+    cfg: DictConfig, d: dist.Dist, mode: str, net: torch.nn.Module, task, auto: AutoBatch, total_steps: int
+) -> StepParts:
+    """The model wrapped for the parallel mode, the optimizer on its wrapped (for FSDP: sharded) parameters, and
+    what else an optimizer step works with."""
+    # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
+    wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
+    model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
+    seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
+    optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
+    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
+    autocast = autocast_for(cfg.trainer.precision, d.device)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
+    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
+    auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
+    meter = TrainMeter(d, comm, task.items_name)
+    # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
+    coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
+    knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf
+    return StepParts(model, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d, *knobs)
+
+
+def resume(
+    resumed: dict | None,
+    s: StepParts,
+    checkpointer,
+    selection: Selection,
+    val_batches: EvalBatches,
+    windows: TrainWindows,
+    identity: dict,
+    settings: dict,
+    total_steps: int,
+) -> dict | None:
+    """Where training starts: {step, epoch, window} of the next optimizer step; from a checkpoint, everything the
+    uninterrupted run would have had, down to every rank's RNG state. None: the checkpoint has nothing to train."""
+    if not resumed:
+        return {"step": 0, "epoch": 0, "window": 0}
+    checkpoint.check_compatible(resumed["identity"], identity)
+    if note := selection.load_state_dict(resumed.get("selection")):
+        s.d.print0(f"resume: {note}")
+    at = resumed["progress"]["step"]
+    if selection.stopped or at > total_steps:  # a run that stopped early trains no more (PL #8278)
+        why = f"is at step {at}, past this run's {total_steps} steps (trainer.max_steps / trainer.epochs)"
+        s.d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(at) if selection.stopped else why}")
+        return None
+    checkpoint.restore(resumed, *s.stateful, s.d)
+    checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
+    s.ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights
+    s.auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
+    val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
+    windows.fit()
+    s.d.print0(f"resumed from {resumed['path']} at step {resumed['progress']['step']}")
+    if changed := checkpoint.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
+        s.d.print0(f"resume: applying the changed settings {', '.join(changed)}")
+    return resumed["progress"]
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
@@ -52,23 +224,17 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     global_batch = d.world_size * auto.batch_size * auto.K  # auto: b x K stays as b halves
     train_set, val_set, test_set = debug.splits(cfg.debug, (train_set, val_set, test_set), global_batch, d)
 
-    def data_for(b: int, K: int) -> tuple[EpochLayout, TrainLoader]:  # again when auto halves b
-        layout = EpochLayout(len(train_set), d.world_size, b, K)
-        # .get: a data set's own yaml without the schema may leave these three out
-        knobs = cfg.data.get("pin_memory", True), cfg.data.get("prefetch_factor"), cfg.data.get("shuffle", True)
-        return layout, TrainLoader(train_set, d, b, cfg.data.num_workers, cfg.seed, layout.micro_batches, *knobs)
-
-    layout, loader = data_for(auto.batch_size, auto.K)
+    windows = TrainWindows(train_set, d, cfg.data, cfg.seed, lambda: (auto.batch_size, auto.K))  # b, K: auto's
     # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
     eval_args = (cfg.data.num_workers, auto.enabled, mode == "fsdp")
     val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, *eval_args)
     no_test, test_batches = heldout.skipped(test_set, cfg.data.name, train_set), None  # why no test pass, or None
     if cfg.trainer.test and test_set is not None and not no_test:  # at the end; auto: from val's fitting batch
         test_batches = EvalBatches(test_set, d, lambda: val_batches.batch_size, *eval_args, what="test")
-    steps_per_epoch = layout.windows(cfg.data.drop_last)
+    steps_per_epoch = windows.layout.windows(cfg.data.drop_last)
     if steps_per_epoch == 0:
         raise ConfigError(
-            f"data.drop_last=true drops every sample: the global batch {layout.global_batch} "
+            f"data.drop_last=true drops every sample: the global batch {windows.layout.global_batch} "
             f"is larger than the {len(train_set)} training samples"
         )
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
@@ -80,82 +246,36 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     net = instantiate(cfg.model)
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
     efficiency = describe(net, train_set, task, d, cfg.trainer.precision)
-    # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
-    wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
-    model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
-    seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
-    optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
-    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
-    autocast = autocast_for(cfg.trainer.precision, d.device)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
-    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
-    auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
-    max_norm = cfg.trainer.clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
-    meter = TrainMeter(d, comm, task.items_name)
-    # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
-    coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
+    parts = build_step(cfg, d, mode, net, task, auto, total_steps)  # the wrapped model, its optimizer, ...
+    model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
     selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
-    stateful = (unwrap(model), optimizer, scheduler, scaler, meter)  # what a checkpoint holds of them
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
     checkpointer = checkpoint.Checkpointer(
         run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
     )  # FSDP: each rank writes its shards (DCP)
-    identity = checkpoint.run_identity(cfg, layout.global_batch, train_set)  # what a resume must not change
+    identity = checkpoint.run_identity(cfg, windows.layout.global_batch, train_set)  # what a resume must not change
     settings = checkpoint.run_settings(cfg)  # what a resume may change
-    start = {"step": 0, "epoch": 0, "window": 0}  # the next optimizer step and where its window starts
     resumed = checkpointer.load(cfg.checkpoint.resume)
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
-    if resumed:
-        checkpoint.check_compatible(resumed["identity"], identity)
-        if note := selection.load_state_dict(resumed.get("selection")):
-            d.print0(f"resume: {note}")
-        at = resumed["progress"]["step"]
-        if selection.stopped or at > total_steps:  # a run that stopped early trains no more (PL #8278)
-            why = f"is at step {at}, past this run's {total_steps} steps (trainer.max_steps / trainer.epochs)"
-            d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(at) if selection.stopped else why}")
-            return selection.best  # None without a monitor
-        checkpoint.restore(resumed, *stateful, d)
-        checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
-        ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights
-        auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
-        val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
-        layout, loader = data_for(auto.batch_size, auto.K)
-        start = resumed["progress"]
-        d.print0(f"resumed from {resumed['path']} at step {start['step']}")
-        if changed := checkpoint.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
-            d.print0(f"resume: applying the changed settings {', '.join(changed)}")
+    start = resume(resumed, parts, checkpointer, selection, val_batches, windows, identity, settings, total_steps)
+    if start is None:  # a run that stopped early, or is past this run's steps: nothing to train
+        return selection.best  # None without a monitor
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
 
-    model_name = cfg.model.get("name") or cfg.model._target_.split(".")[-1]  # model=timm: its model.name
-    d.print0(
-        f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
-        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
-        f"precision={cfg.trainer.precision}\n"
-        f"global batch {layout.global_batch} = {d.world_size} ranks x {auto.batch_size} micro-batch "
-        f"x {auto.K} accumulation ({cfg.accumulation.strategy}) | {steps_per_epoch} steps/epoch, "
-        f"{total_steps} steps, {epochs} epochs | run dir {run_dir}"
-    )
-    if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
-        d.print0(summary)
-    if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
-        d.print0(no_test)
-
-    def evaluation() -> dict[str, float]:  # EMA on: the average as val/*, the live weights as val_raw/*
-        return evaluate_averaged(unwrap(model), ema, val_batches, d, autocast, task)
+    announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)
+    # EMA on: the average as val/*, the live weights as val_raw/*
+    evaluation = functools.partial(evaluate_averaged, unwrap(model), ema, val_batches, d, autocast, task)
 
     step, val, stopping, pruned = start["step"], {}, None, False
-    # Read once, not per step: one OmegaConf attribute costs 10-30 us (4-9 % of the default mlp's step).
-    seed, strategy = cfg.seed, cfg.accumulation.strategy
-    log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every
+    log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every  # read once: see StepParts
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
     with (
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
@@ -167,65 +287,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         logger.summary(efficiency.facts)  # summary.json, W&B's run summary, TensorBoard's text
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
-            batches = loader.epoch(epoch, start=first_window * auto.K)  # set_epoch: a new permutation per epoch
+            windows.epoch(epoch, first_window)  # set_epoch: a new permutation per epoch
             model.train()
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                while True:  # data.batch_size=auto: a window that ran out of memory runs again (auto.retry)
-                    # One optimizer step: the global window of up to K micro-batches per rank, fetched
-                    # first, so its number of loss-bearing items (samples; tokens for a sequence task)
-                    # is known before the first backward.
-                    with meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
-                        micro = [next(batches) for _ in range(layout.micro_steps(window))]
-                    # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
-                    # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
-                    seed_step(seed, step, d.rank, d.device)
-                    samples = layout.window_samples(window)
-                    items: int | torch.Tensor = samples
-                    if task.items_name:  # counted in the data: one all-reduce of a number per step
-                        counts = sum(task.items(unpack(task, batch)[1]) for batch in micro)
-                        items = d.all_reduce_sum(counts.to(d.device, torch.float64))
-                    # The gradient is the mean over the window's items of all ranks, also for a short
-                    # window (items, not K x batch). DDP and FSDP average over ranks: hence world_size.
-                    scale = d.world_size / items
-                    guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
-                    if coupled is not None:  # the loss couples the global batch: gradient caching
-                        coupled.run(micro, scale, strategy)
-                    else:
-                        for k, batch in auto.micro_steps(micro):  # auto: up to this rank's out of memory
-                            x, y = unpack(task, to_device(batch, d.device))  # what the model gets, what the loss reads
-                            # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
-                            # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
-                            with sync_context(model, syncs_now(strategy, k, len(micro))), auto.catching():
-                                with autocast():
-                                    loss_sum = task.loss_sum(model(x), y)  # summed over the batch's items
-                                scaler.scale(loss_sum * scale).backward()
-                                meter.add_micro_step(loss_sum)
-                    if not auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
-                        break
-                    # Drop what the attempt touched; the same window again with half the micro-batch, twice K:
-                    # the same samples and dropout draws, so the run is the one with that micro-batch throughout.
-                    optimizer.zero_grad(set_to_none=True)
-                    guard.put_back_buffers()
-                    meter.drop_window()
-                    layout, loader = data_for(auto.batch_size, auto.K)
-                    batches = loader.epoch(epoch, start=window * auto.K)
-                scaler.unscale_(optimizer)  # clip true gradients, once, after the sync
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor over the gradient shards
-                lr = scheduler.get_last_lr()[0]
-                # All ranks decide together: a rank skipping alone would hang the others. Only skip
-                # and fp16 need it before the step (a host sync); raise checks per row (guard.check).
-                outcome = guard.decide(meter, grad_norm, step + 1)
-                if outcome == "step":
-                    scaler.step(optimizer)
-                    scaler.update()
-                    scheduler.step()  # only when the optimizer stepped: the schedule counts real steps
-                    ema.update()  # so too the average: a skipped window leaves no trace in it
-                else:
-                    guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
-                optimizer.zero_grad(set_to_none=True)
+                lr = parts.scheduler.get_last_lr()[0]  # the step's, before the scheduler moves on
+                outcome, grad_norm, samples, items = optimizer_step(parts, windows, window, step)
                 step += 1
                 meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
                 console.step()
@@ -238,7 +306,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 eval_now = (step % eval_every == 0 or step == total_steps) and len(val_set) > 0
                 save_now = checkpointer.due(step, total_steps) or stopping is not None
                 if log_now or eval_now or save_now:
-                    guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
+                    parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 best_now = False
                 with meter.paused():
                     if eval_now and (val := evaluation()):  # {}: nothing fit
@@ -249,7 +317,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
                 save_now |= stopped_early
                 if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
-                    row |= meter.row() | {"lr": lr, "micro_batch": layout.batch_size}
+                    row |= meter.row() | {"lr": lr, "micro_batch": windows.layout.batch_size}
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
                 with meter.paused():
@@ -265,7 +333,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if save_now or best_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = checkpoint.snapshot(*stateful, progress, identity, settings, logger.run_id, d)
+                        state = checkpoint.snapshot(*parts.stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
                         state |= {"autobatch": auto_state, "selection": selection.state_dict(), "ema": ema.state_dict()}
                         if save_now:

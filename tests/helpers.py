@@ -383,11 +383,11 @@ def faulty_model(
     oom_above: int = 0,
     **model_args,
 ) -> nn.Module:
-    """trainkit.models.<name>.<name>(**model_args) wrapped in Faulty; from the command line:
-    model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
-    import importlib
+    """trainkit.models.<name>.<name>(**model_args) (or a dotted `name`'s callable) wrapped in Faulty; from the
+    command line: model=cnn model._target_=helpers.faulty_model +model.name=cnn +model.fault=kill ..."""
+    from hydra.utils import get_object
 
-    build = getattr(importlib.import_module(f"trainkit.models.{name}"), name)
+    build = get_object(name if "." in name else f"trainkit.models.{name}.{name}")
     return Faulty(build(**model_args), fault, at_forward, rank, marker, oom_above)
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import max_diff, rows, run_distributed, run_in_process, weights
+from helpers import max_diff, rows, run_distributed, run_in_process, run_train, together, weights
 from trainkit.coupled import CoupledWindows, note
 from trainkit.data.digits_views import DigitsViews
 from trainkit.dist import Dist
@@ -191,3 +191,21 @@ def test_digits_simclr_on_2_ranks_x_k2_trains_what_one_process_trains(tmp_path):
     assert [r["val/knn_acc"] for r in one] == [r["val/knn_acc"] for r in two]
     losses = [[r["loss"] for r in rows(tmp_path / d) if "loss" in r] for d in ("one", "two")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_in_the_coupled_passes_halves_the_micro_batch_and_trains_the_fixed_run(tmp_path):
+    """data.batch_size=auto with the coupled loss: the model runs out of memory above 16 samples (32 views) in
+    either pass; the window runs again at half the micro-batch, twice K, until it fits (64 -> 32 -> 16, K=4), and
+    the run is the one at micro-batch 16 throughout: the same weights bit for bit."""
+    small = ["accumulation.global_batch_size=64", "optim=sgd", "optim.lr=0.5"]
+    faulty = ["model._target_=helpers.faulty_model", "+model.name=trainkit.models.simclr.SimCLR", "+model.fault=oom"]
+    together(
+        lambda: run_train(tmp_path / "auto", *SIMCLR, *small, "data.batch_size=auto", *faulty, "+model.oom_above=32"),
+        lambda: run_train(tmp_path / "fixed", *SIMCLR, *small, "data.batch_size=16", "accumulation.steps=4"),
+    )
+    auto_rows = rows(tmp_path / "auto")
+    assert {r["micro_batch"] for r in auto_rows if "micro_batch" in r} == {16}
+    fixed = weights(tmp_path / "fixed")
+    auto = {key.removeprefix("inner."): value for key, value in weights(tmp_path / "auto").items()}  # Faulty's
+    assert auto.keys() == fixed.keys() and all(torch.equal(value, fixed[key]) for key, value in auto.items())

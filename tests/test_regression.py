@@ -110,3 +110,5 @@ def test_2_ranks_train_what_one_process_trains_and_predict_writes_the_task_s_col
     assert lines[0] == "index,target,prediction" and len(lines) == 1 + 88
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["r2"] == pytest.approx(last[0]["val/r2"], abs=1e-5) and metrics["samples"] == 88
+    with pytest.raises(ConfigError, match="predict.probs=true: the predictions of Regression have no class prob"):
+        run_in_process(tmp_path / "probs", f"run_dir={one}", "predict.probs=true", script="predict")

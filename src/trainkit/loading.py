@@ -4,12 +4,13 @@ are in trainkit/data/ (the room of conf/data)."""
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
+from trainkit.accumulate import EpochLayout
 from trainkit.batch import collate, emptied
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -261,3 +262,37 @@ def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int, sk
         generator=torch.Generator(),  # its iterator draws a seed: not from the training RNG
         pin_memory=d.device.type == "cuda",
     )
+
+
+class TrainWindows:
+    """The train split as optimizer-step windows: the epoch's layout (accumulate.EpochLayout) and this rank's
+    loader at the current micro-batch b and K, `fetch(window)` giving the window's micro-batches. data.batch_size
+    =auto halves b (and doubles K) when a window runs out of memory: `refit(window)` rebuilds both and fetches
+    the same window again, the same samples in smaller micro-batches."""
+
+    def __init__(self, dataset: Dataset, d: Dist, data, seed: int, size: Callable[[], tuple[int, int]]):
+        self.dataset, self.d, self.seed, self.size = dataset, d, seed, size  # size(): (b, K), read at each fit
+        # data.get: a data set's yaml composed without conf/shared/data.yaml (a test's) may leave them out
+        self.knobs = (data.num_workers, data.get("pin_memory", True), data.get("prefetch_factor"))
+        self.shuffle, self.epoch_number = data.get("shuffle", True), 0
+        self.fit()
+
+    def fit(self) -> None:
+        b, K = self.size()
+        self.layout = EpochLayout(len(self.dataset), self.d.world_size, b, K)  # type: ignore[arg-type]
+        workers, pin, prefetch = self.knobs
+        self.loader = TrainLoader(
+            self.dataset, self.d, b, workers, self.seed, self.layout.micro_batches, pin, prefetch, self.shuffle
+        )
+
+    def epoch(self, epoch: int, first_window: int = 0) -> None:
+        """Start `epoch` at `first_window` (a resume's): set_epoch, a new permutation per epoch."""
+        self.epoch_number = epoch
+        self.batches = self.loader.epoch(epoch, start=first_window * self.layout.steps)
+
+    def fetch(self, window: int) -> list:
+        return [next(self.batches) for _ in range(self.layout.micro_steps(window))]
+
+    def refit(self, window: int) -> None:
+        self.fit()
+        self.epoch(self.epoch_number, window)

@@ -308,10 +308,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 if log_now or eval_now or save_now:
                     parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 best_now = False
-                with meter.paused():
-                    if eval_now and (val := evaluation()):  # {}: nothing fit
-                        best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
-                        val |= selection.row()
+                if eval_now:
+                    with meter.paused():  # evaluation, rows and checkpoints are not training time (samples/s)
+                        if val := evaluation():  # {}: nothing fit
+                            best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
+                            val |= selection.row()
                 # Pruned (every rank together: one all-reduce) ends like early stopping: its row and checkpoint
                 pruned = trial is not None and eval_now and bool(val) and trial.prunes(val, step)
                 stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
@@ -320,6 +321,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     row |= meter.row() | {"lr": lr, "micro_batch": windows.layout.batch_size}
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
+                if not (log_now or eval_now or save_now):  # most steps: nothing more to do
+                    continue
                 with meter.paused():
                     if eval_now and val:
                         row |= val

@@ -495,6 +495,21 @@ def warning_mlp(**kwargs) -> nn.Module:
     return mlp(**kwargs)
 
 
+class SlowEvaluation(nn.Module):
+    """model._target_=helpers.SlowEvaluation: the mlp, whose evaluation (eval mode) forwards each sleep `seconds`."""
+
+    def __init__(self, seconds: float = 0.05, **kwargs):
+        super().__init__()
+        from trainkit.models.mlp import mlp
+
+        self.seconds, self.net = seconds, mlp(**kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            time.sleep(self.seconds)
+        return self.net(x)
+
+
 DROPOUT_MASKS: list[torch.Tensor] = []  # what dropout_mlp's dropout layers drew in this process, in order
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from helpers import ROOT
+from helpers import ROOT, run_in_process
 from helpers import rows as metrics_rows
 from train import train
 from trainkit.dist import Dist
@@ -200,6 +200,23 @@ def test_throughput_counts_training_time_only():
     with meter.paused():
         time.sleep(0.5)  # evaluation, a checkpoint
     assert meter.row()["samples_per_s"] > 1000 / 0.25
+
+
+def test_a_run_s_throughput_leaves_its_evaluations_out(tmp_path):
+    # Each evaluation sleeps 12 x 0.05 s (digits' val split in batches of 32); two steps of the mlp take a few ms.
+    # Counted as training time, the rows would show under 64 / 0.6 = 107 samples/s.
+    run_in_process(
+        tmp_path,
+        "model._target_=helpers.SlowEvaluation",
+        "+model.seconds=0.05",
+        "trainer.max_steps=6",
+        "trainer.eval_every=2",
+        "trainer.log_every=2",
+        "trainer.test=false",
+        "checkpoint.every=0",
+    )
+    logged = [row for row in metrics_rows(tmp_path) if "samples_per_s" in row]
+    assert [row["step"] for row in logged] == [2, 4, 6] and min(row["samples_per_s"] for row in logged) > 1000
 
 
 def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader():

@@ -125,48 +125,36 @@ def test_a_fork_adds_files_to_the_rooms_and_conf_and_touches_no_engine_file(fork
 def test_the_fork_trains_exactly_resumes_selects_by_its_metric_evaluates_predicts_and_searches(fork, tmp_path):
     root, run = fork
     exp = ("+experiment=patients",)
-    one, two, part = tmp_path / "one", tmp_path / "two", tmp_path / "part"
-    together(
+    one, two, part, sweep = tmp_path / "one", tmp_path / "two", tmp_path / "part", tmp_path / "sweep"
+    two_ranks = ("parallel.nproc_per_node=2", "accumulation.steps=2", "data.batch_size=4")  # 2 x 2 x 4 = 16
+    together(  # independent runs side by side
         lambda: run("train", *exp, f"hydra.run.dir={one}"),
-        lambda: run(
-            "train",
-            *exp,
-            f"hydra.run.dir={two}",
-            "parallel.nproc_per_node=2",
-            "accumulation.steps=2",
-            "data.batch_size=4",
-        ),
+        lambda: run("train", *exp, f"hydra.run.dir={two}", *two_ranks),
+        lambda: run("train", *exp, f"hydra.run.dir={part}", "trainer.max_steps=8"),  # stops after step 8's checkpoint
+    )
+    search = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner=null")
+    together(
+        lambda: run("train", *exp, f"hydra.run.dir={part}"),  # the same run dir: resumed to step 12
+        lambda: run("eval", f"run_dir={one}", "weights=best", "split=val", f"hydra.run.dir={tmp_path / 'eval'}"),
+        lambda: run("predict", f"run_dir={one}", f"hydra.run.dir={tmp_path / 'predict'}"),
+        lambda: run("train", *exp, *search, f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=patients"),
     )
     weights = torch.load(one / "model.pt", weights_only=True)
-    # 2 ranks x K=2 x 4 = 16, one process's batch: the same SGD steps (rounding of the reduction order alone)
+    # one process's batch of 16: the same SGD steps (rounding of the reduction order alone)
     for key, value in torch.load(two / "model.pt", weights_only=True).items():
         torch.testing.assert_close(value, weights[key], rtol=0, atol=1e-6)
-    run("train", *exp, f"hydra.run.dir={part}", "trainer.max_steps=8")  # stopped after step 8's checkpoint
-    run("train", *exp, f"hydra.run.dir={part}")  # the same run dir: resumed to step 12
     resumed = torch.load(part / "model.pt", weights_only=True)
     assert all(torch.equal(resumed[key], value) for key, value in weights.items())
 
     evaluations = [row for row in rows(one) if "val/mae" in row]
     best = min(row["val/mae"] for row in evaluations)
     assert len(evaluations) == 3 and evaluations[-1]["best/val/mae"] == best  # declared min: the lowest kept
-    run("eval", f"run_dir={one}", "weights=best", "split=val", f"hydra.run.dir={tmp_path / 'eval'}")
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["val/mae"] == best
-    run("predict", f"run_dir={one}", f"hydra.run.dir={tmp_path / 'predict'}")
     lines = (tmp_path / "predict" / "predictions.csv").read_text().splitlines()
     assert lines[0] == "index,target,prediction" and len(lines) == 1 + 88  # diabetes' val split: 88 patients
     assert json.loads((tmp_path / "predict" / "metrics.json").read_text())["mae"] == evaluations[-1]["val/mae"]
 
-    sweep = tmp_path / "sweep"  # a study of two trials on the fork's own metric
-    run(
-        "train",
-        *exp,
-        "hparams_search=digits_optuna",
-        f"hydra.sweep.dir={sweep}",
-        "hydra.sweeper.n_trials=2",
-        "hydra.sweeper.pruner=null",
-        "hydra.sweeper.study_name=patients",
-    )
-    study = studies.load("patients", f"sqlite:///{sweep / 'study.db'}")
-    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    study = studies.load("patients", f"sqlite:///{sweep / 'study.db'}")  # two trials on the fork's own metric
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE and len(study.trials) == 2
     for trial in study.trials:
         assert trial.value == min(row["val/mae"] for row in rows(sweep / str(trial.number)) if "val/mae" in row)

@@ -168,6 +168,18 @@ def test_the_training_stream_is_seeded_by_seed_step_and_rank_alone():
     assert torch.equal(*draws)
 
 
+def test_the_step_seeds_table_holds_mix_of_seed_step_and_rank():
+    """step_seed reads a table computed in numpy's uint64 (STEPS at a time): the seeds of _mix, the reference,
+    across the table's blocks, for any valid seed and rank."""
+    from trainkit.config import MAX_SEED
+    from trainkit.rng import STEPS, _mix, step_seed
+
+    for seed in (0, 1, 12345, MAX_SEED, MAX_SEED + 7):
+        for rank in (0, 1, 63):
+            for step in (0, 1, 2, STEPS - 1, STEPS, STEPS + 1, 3 * STEPS + 17, 10**7 + 3):
+                assert step_seed(seed, step, rank) == _mix(seed, step, rank), (seed, step, rank)
+
+
 # 2 ranks of train.py, an mlp with dropout in each of its 2 hidden layers, K=2, 4 optimizer steps. The
 # call is what is tested, not step_seed's values: train.py's seed_step with the rank replaced by 0 fails
 # the first loop below (planted, seen), with the step replaced by 0 the second.

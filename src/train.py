@@ -69,7 +69,7 @@ class StepParts:
 def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> tuple[str, torch.Tensor, int, Any]:
     """One optimizer step on the global window of up to K micro-batches per rank: forward and backward under the
     sync decision, clip, decide on every rank together, step. (outcome, grad norm, samples, loss-bearing items)."""
-    samples = windows.layout.window_samples(window)
+    samples = windows.samples[window]  # its real samples, all ranks
     while True:  # data.batch_size=auto: a window that ran out of memory runs again (auto.retry)
         # Fetched first, so its number of loss-bearing items (samples; tokens for a sequence task) is known
         # before the first backward.
@@ -90,7 +90,7 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
             s.coupled.run(micro, scale, s.strategy)
         else:
             for k, batch in s.auto.micro_steps(micro):  # auto: up to this rank's out of memory
-                x, y = unpack(s.task, to_device(batch, s.d.device))  # what the model gets, what the loss reads
+                x, y = unpack(s.task, batch if windows.on_device else to_device(batch, s.d.device))  # model's, loss's
                 # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                 # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                 with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():
@@ -275,7 +275,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     evaluation = functools.partial(evaluate_averaged, unwrap(model), ema, val_batches, d, autocast, task)
 
     step, val, stopping, pruned = start["step"], {}, None, False
-    log_every, eval_every = cfg.trainer.log_every, cfg.trainer.eval_every  # read once: see StepParts
+    log_every, eval_every, validates = cfg.trainer.log_every, cfg.trainer.eval_every, len(val_set) > 0  # once
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
     with (
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
@@ -301,12 +301,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
                 # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
                 stopping = stopper.due(last=step == total_steps)
-                row: dict[str, float] = {}
                 log_now = step % log_every == 0 or step == total_steps
-                eval_now = (step % eval_every == 0 or step == total_steps) and len(val_set) > 0
+                eval_now = validates and (step % eval_every == 0 or step == total_steps)
                 save_now = checkpointer.due(step, total_steps) or stopping is not None
-                if log_now or eval_now or save_now:
-                    parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
+                if not (log_now or eval_now or save_now):  # most steps: nothing more to do (early stopping and
+                    continue  # pruning decide at evaluations)
+                parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
+                row: dict[str, float] = {}
                 best_now = False
                 if eval_now:
                     with meter.paused():  # evaluation, rows and checkpoints are not training time (samples/s)
@@ -321,8 +322,6 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     row |= meter.row() | {"lr": lr, "micro_batch": windows.layout.batch_size}
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
-                if not (log_now or eval_now or save_now):  # most steps: nothing more to do
-                    continue
                 with meter.paused():
                     if eval_now and val:
                         row |= val

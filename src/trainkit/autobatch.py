@@ -26,8 +26,8 @@ Evaluation and predict.py halve their own batch on out of memory, also all ranks
 """
 
 import contextlib
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig
@@ -86,11 +86,11 @@ class AutoBatch:
                 if isinstance(module, (FSDPModule, SyncBatchNorm, torch.nn.SyncBatchNorm)):
                     self.layer_points += _points_around(module, self._point, self._before_backward)
 
-    def micro_steps(self, micro: list):
+    def micro_steps(self, micro: list) -> Iterator[tuple[int, Any]]:
         """(k, batch) of the window's micro-batches, until a rank runs out of memory."""
-        if not self.enabled:
-            yield from enumerate(micro)
-            return
+        return self._micro_steps(micro) if self.enabled else enumerate(micro)
+
+    def _micro_steps(self, micro: list) -> Iterator[tuple[int, Any]]:
         self.oom = False
         for k, batch in enumerate(micro):
             self.syncing, self.agreed = self.sync_each or k == len(micro) - 1, False

@@ -279,11 +279,15 @@ class TrainWindows:
 
     def fit(self) -> None:
         b, K = self.size()
-        self.layout = EpochLayout(len(self.dataset), self.d.world_size, b, K)  # type: ignore[arg-type]
+        self.layout = layout = EpochLayout(len(self.dataset), self.d.world_size, b, K)  # type: ignore[arg-type]
         workers, pin, prefetch = self.knobs
         self.loader = TrainLoader(
-            self.dataset, self.d, b, workers, self.seed, self.layout.micro_batches, pin, prefetch, self.shuffle
+            self.dataset, self.d, b, workers, self.seed, layout.micro_batches, pin, prefetch, self.shuffle
         )
+        # Per window of the epoch, read every step: its micro-batches and (all ranks') real samples.
+        self.micro_steps = [layout.micro_steps(w) for w in range(layout.windows(drop_last=False))]
+        self.samples = [layout.window_samples(w) for w in range(layout.windows(drop_last=False))]
+        self.on_device = self.loader.in_memory  # its micro-batches are views of tensors on the device already
 
     def epoch(self, epoch: int, first_window: int = 0) -> None:
         """Start `epoch` at `first_window` (a resume's): set_epoch, a new permutation per epoch."""
@@ -291,7 +295,7 @@ class TrainWindows:
         self.batches = self.loader.epoch(epoch, start=first_window * self.layout.steps)
 
     def fetch(self, window: int) -> list:
-        return [next(self.batches) for _ in range(self.layout.micro_steps(window))]
+        return [next(self.batches) for _ in range(self.micro_steps[window])]
 
     def refit(self, window: int) -> None:
         self.fit()

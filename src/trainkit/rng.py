@@ -106,8 +106,7 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     draws from) for optimizer step `step`. Its draws then depend on (seed, step, rank) alone: not on
     whether the batches were loaded in this process (a loader seeds the global generators per sample)
     or in a worker, nor on what they drew; a resume needs no RNG state for them. ~1.3 us a step, most of it
-    the CPU generator's own seeding
-    (torch.manual_seed would also seed every CUDA device: ~250 us even without one)."""
+    the CPU generator's own seeding (torch.manual_seed would also seed every CUDA device: ~250 us even without one)."""
     value = step_seed(seed, step, rank)
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":

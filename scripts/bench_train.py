@@ -16,13 +16,22 @@ block only (steady state: start-up, the first steps, the final evaluation and ch
 out), in one process with the same threads; the first --warmup-blocks pairs are run and dropped. The
 figure is the median of the blocks' ratios, with their quartiles. Both loops are timed by the
 process's CPU time by default (--clock cpu: time.process_time, for trainkit through its own meter,
-whose samples_per_s then counts CPU seconds): on a 2-core machine shared with 5 other jobs (load
+whose samples_per_s then counts CPU seconds). Each loop reads that clock only where its timed span
+starts and ends (trainkit's meter also around the evaluations, rows and checkpoints it leaves out):
+time/data_wait's span, twice a step, stays on perf_counter, as in a real run, because process_time
+is a system call (~0.8 us against 0.06) that would charge trainkit ~1.5 us a step that a run does
+not pay (metrics.timed_by). On a 2-core machine shared with 5 other jobs (load
 5-8) wall-clock blocks ranged 0.58-1.38 around the same median, CPU-time blocks 1.01-1.22, and five
 runs of 20 blocks gave medians 1.07-1.10 on the default job. --clock wall is what a quiet machine
 shows. One intra-op thread by default (--threads): on a shared machine, OpenMP threads that wait on
 each other made single blocks 10x slower or faster (a range of 0.13-28.9 with 2 threads under load,
 0.96-1.04 with one). With one thread per process and no loader workers, CPU time is the loop's own
 work; under torchrun it leaves out the time a rank waits on the other's all-reduce.
+
+--breakdown also times single steps of both loops (alternating blocks, each step's CPU time from one
+zero_grad to the next, and from zero_grad to the model's forward: the loop's own Python before it) and
+prints their quantiles: the quickest tenth of the steps moves little when the machine slows a block, the
+block medians do; and the CPU time each hook train() calls costs per step.
 
 trainkit's time is its last metrics row (log_every = steps / 2). What the ratio shows is what
 trainkit adds per step: the sampler without padding, the per-sample seeds (for a data set that
@@ -194,8 +203,6 @@ HOOKS = [
     ("trainkit.metrics:TrainMeter", "add_step", "meter: the step's sums"),
     ("trainkit.metrics:TrainMeter", "paused", "meter: paused() around evaluation / rows"),
     ("train", "seed_step", "rng: seed_step (dropout's stream)"),
-    ("trainkit.accumulate:EpochLayout", "window_samples", "layout: the window's samples"),
-    ("trainkit.accumulate:EpochLayout", "micro_steps", "layout: the window's micro-steps"),
     ("train", "sync_context", "accumulate: sync_context"),
     ("train", "syncs_now", "accumulate: syncs_now"),
     ("trainkit.autobatch:AutoBatch", "micro_steps", "autobatch: micro_steps (per item)"),
@@ -294,6 +301,76 @@ def breakdown(cfg, d: dist.Dist, steps: int, repeats: int = 3) -> list[tuple[str
         for owner, name, original in originals:
             setattr(owner, name, original)
     return [(what, statistics.median(values)) for what, values in totals.items()]
+
+
+def step_times(cfg, d: dist.Dist, args) -> dict[str, dict[str, list[list[float]]]]:
+    """{loop: {"step": [[us] per block], "to forward": ...}} of single optimizer steps over each block's second half,
+    the tensor loop and trainkit alternating: from one zero_grad's end to the next ("step"), and to the start of
+    the model's first forward after it ("to forward": the loop's bookkeeping, data, seeds, contexts)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    marks: list[tuple[str, float]] = []
+    depth = [0]  # forwards under way: only the outermost module's marks
+
+    def zero_grad(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        marks.append(("zero_grad", clock()))
+        return result
+
+    def pre(module, inputs):
+        depth[0] += 1
+        if depth[0] == 1 and marks and marks[-1][0] == "zero_grad":
+            marks.append(("forward", clock()))
+
+    def post(module, inputs, output):
+        depth[0] -= 1
+
+    original = torch.optim.Optimizer.zero_grad
+    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+    times: dict[str, dict[str, list[list[float]]]] = {
+        name: {"step": [], "to forward": []} for name in ("tensor", "trainkit")
+    }
+    try:
+        for block in range(args.warmup_blocks + args.blocks):
+            for name in sorted(times, reverse=block % 2 == 1):
+                marks.clear()
+                (tensor_loop if name == "tensor" else trainkit_loop)(cfg, d, args.steps)
+                if block < args.warmup_blocks:
+                    continue
+                ends = [i for i, (what, _) in enumerate(marks) if what == "zero_grad"][args.steps // 2 :]  # 2nd half
+                pairs = list(zip(ends, ends[1:], strict=False))
+                times[name]["step"].append([(marks[j][1] - marks[i][1]) * 1e6 for i, j in pairs])
+                times[name]["to forward"].append(
+                    [(marks[i + 1][1] - marks[i][1]) * 1e6 for i, _ in pairs if marks[i + 1][0] == "forward"]
+                )
+    finally:
+        torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
+        for handle in handles:
+            handle.remove()
+    return times
+
+
+def step_lines(times: dict[str, dict[str, list[list[float]]]], clock_name: str) -> str:
+    """The quantiles of single steps, the median over the blocks of each block's own, and trainkit's over the tensor
+    loop's block next to it: a block the machine slowed moves all of its steps, not one loop's against the other's."""
+    lines = [
+        f"| single steps ({clock_name} time, us; medians over blocks) | tensor loop | trainkit | trainkit - tensor |",
+        "|---|---:|---:|---:|",
+    ]
+    for what in ("step", "to forward"):
+        for q in (10, 25, 50):
+            per_block = {
+                name: [statistics.quantiles(block, n=100)[q - 1] for block in blocks[what]]
+                for name, blocks in times.items()
+            }
+            tensor, ours = per_block["tensor"], per_block["trainkit"]
+            diff = statistics.median(b - a for a, b in zip(tensor, ours, strict=True))
+            lines.append(
+                f"| {what}, {q}th percentile | {statistics.median(tensor):.1f} | {statistics.median(ours):.1f} "
+                f"| {diff:.1f} |"
+            )
+    return "\n".join(lines)
 
 
 def compare(cfg, d: dist.Dist, args) -> dict[str, list[float]]:
@@ -417,6 +494,7 @@ def main() -> None:
         baseline = "tensor" if "tensor" in rates else "dataloader"
         samples = config.accumulation_steps(cfg, d.world_size) * cfg.data.batch_size * d.world_size
         step_us = {name: samples / statistics.median(values) * 1e6 for name, values in rates.items()}
+        d.print0("\n" + step_lines(step_times(cfg, d, args), args.clock))
         hooks = breakdown(cfg, d, args.steps)
         d.print0(
             f"\n| per optimizer step ({args.clock} time) | us | % of the {baseline} loop's step |\n|---|---:|---:|\n"

@@ -64,6 +64,15 @@ def test_bench_train_runs_both_loops_single_and_ddp(launcher):
         assert proc.stdout.count(f"ratio trainkit / {baseline}:") == 1, proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_train_breakdown_prints_single_steps_and_hooks():
+    """--breakdown: the quantiles of single steps of both loops (step, and zero_grad to the forward), then the hooks."""
+    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "--warmup-blocks", "0", "--breakdown"]
+    out = run_script(*script, "data.batch_size=8").stdout
+    for line in ("| step, 10th percentile |", "| to forward, 50th percentile |", "| rng: seed_step", "| all hooks |"):
+        assert out.count(line) == 1, out
+
+
 def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():
     import ast
 

@@ -299,7 +299,7 @@ class TrainMeter:
             self.row_skipped += 1
         else:
             self.losses += self.window
-            self.norms.append(grad_norm.detach())
+            self.norms.append(grad_norm.detach() if grad_norm.requires_grad else grad_norm)  # clip's: no graph
             self.row_items = self.row_items + items
             if len(self.losses) >= PENDING or len(self.norms) >= PENDING:
                 self._sum()

@@ -234,6 +234,23 @@ def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader():
     assert meter.row()["time/data_wait"] < 0.1  # per row: the next starts from zero
 
 
+def test_the_meter_keeps_no_autograd_graph():
+    """A micro-step's loss (it has a graph) and a norm that requires grad are kept detached until a row sums them;
+    clip_grad_norm_'s norm (no graph) as it is."""
+    from trainkit.metrics import TrainMeter
+    from trainkit.parallel import CommStats
+
+    meter = TrainMeter(CPU, CommStats())
+    weight = torch.ones(2, requires_grad=True)
+    meter.add_micro_step((weight * 3).sum())
+    meter.add_step(weight.norm(), samples=2, items=2)
+    clipped = torch.nn.utils.clip_grad_norm_([weight], 1.0)
+    meter.add_micro_step((weight * 3).sum())
+    meter.add_step(clipped, samples=2, items=2)
+    assert not any(t.requires_grad for t in meter.losses + meter.norms) and meter.norms[1] is clipped
+    assert meter.row()["grad_norm"] == pytest.approx((2**0.5 + 0.0) / 2)
+
+
 @pytest.mark.parametrize("pending", [2, 256])
 def test_the_meters_row_is_the_exact_mean_and_a_resume_mid_row_logs_the_same(monkeypatch, pending):
     """loss: the sum of the kept windows' loss sums over their items; grad_norm: the mean of the kept steps'

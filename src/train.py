@@ -90,7 +90,8 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
             s.coupled.run(micro, scale, s.strategy)
         else:
             for k, batch in s.auto.micro_steps(micro):  # auto: up to this rank's out of memory
-                x, y = unpack(s.task, batch if windows.on_device else to_device(batch, s.d.device))  # model's, loss's
+                batch = batch if windows.on_device else to_device(batch, s.d.device)  # in memory: there already
+                x, y = unpack(s.task, batch)  # what the model gets, what the loss reads
                 # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                 # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                 with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():

@@ -83,9 +83,9 @@ def conv1d(in_shape, num_classes: int, width: int = 32, depth: int = 2, dropout:
 
 def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     """The loop a tutorial would write: shuffle, forward, mean loss, backward, clip, step, schedule;
-    under torchrun DDP with DistributedSampler and no_sync() around the first K-1 micro-batches.
-    The loss is the task's (classification: cross-entropy; lm: over the loss-bearing tokens), a mean
-    per micro-batch / K as tutorials do."""
+    under torchrun DDP with DistributedSampler and no_sync() around the window's micro-batches but its
+    last; an epoch's end ends a window (`or the last batch`). The loss is the task's (classification:
+    cross-entropy; lm: over the loss-bearing tokens), a mean per micro-batch / K as tutorials do."""
     torch.manual_seed(cfg.seed)
     train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     model = instantiate(cfg.model).to(d.device)
@@ -101,27 +101,27 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     autocast = autocast_for(cfg.trainer.precision, d.device)
     max_norm = cfg.trainer.clip_grad_norm or math.inf
     K = config.accumulation_steps(cfg, d.world_size)
-    batches, samples, started, epoch = iter(loader), 0, 0.0, 0
+    batches, samples, started, epoch, left = iter(loader), 0, 0.0, 0, len(loader)
     for step in range(steps):
         if step == steps // 2:
             if d.device.type == "cuda":
                 torch.cuda.synchronize()
             samples, started = 0, clock()
-        for k in range(K):
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                epoch += 1
-                if sampler is not None:
-                    sampler.set_epoch(epoch)
-                batches = iter(loader)
-                x, y = next(batches)
+        if not left:  # the epoch's end ends a window (a short one), as trainkit's: as many optimizer steps
+            epoch, left = epoch + 1, len(loader)
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            batches = iter(loader)
+        window = min(K, left)
+        for k in range(window):
+            x, y = next(batches)
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-            with model.no_sync() if d.distributed and k < K - 1 else contextlib.nullcontext():
+            with model.no_sync() if d.distributed and k < window - 1 else contextlib.nullcontext():
                 with autocast():
                     loss = task.loss_sum(model(x), y) / (task.items(y) if task.items_name else len(y)) / K
                 loss.backward()
             samples += len(y) * d.world_size
+        left -= window
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         scheduler.step()
@@ -135,9 +135,13 @@ def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
     """The fastest plain loop a person writes for a data set that fits in memory (airbench's and the
     small-model papers' loops): the split's tensors on the device once, a random permutation per epoch
     (one gather), micro-batches as slices of it, forward, loss, backward, clip, step, schedule,
-    zero_grad; no metrics, no evaluation. The loss is the task's sum over the micro-batch's items times
-    1 / (items x K): one scalar op, as a mean loss / K. Under torchrun rank r takes every W-th sample of
-    the permutation and DDP's no_sync() wraps the first K-1 micro-batches. Needs tensors (InMemory)."""
+    zero_grad; no metrics, no evaluation. An epoch's last window may be short (K=4 on digits' 34
+    micro-batches: 8 of 4 and one of 2), as trainkit's and the usual `or last batch` idiom's: windows
+    that ran on into the next epoch took 8.5 optimizer steps an epoch to trainkit's 9 (-6 % of the
+    steps; the default mlp's clip and AdamW step are a fifth of its K=4 step). The loss is the task's
+    sum over the micro-batch's items times 1 / (items x K): one scalar op, as a mean loss / K. Under
+    torchrun rank r takes every W-th sample of the permutation and DDP's no_sync() wraps the window's
+    micro-batches but its last. Needs tensors (InMemory)."""
     torch.manual_seed(cfg.seed)
     train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     inputs, targets = (t.to(d.device) for t in train_set.tensors)
@@ -159,13 +163,14 @@ def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
             if d.device.type == "cuda":
                 torch.cuda.synchronize()
             samples, started = 0, clock()
-        for k in range(K):
-            if not micro:  # a new epoch: one permutation, one gather per tensor, then slices
-                order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
-                x_epoch, y_epoch = inputs[order], targets[order]
-                micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
+        if not micro:  # a new epoch: one permutation, one gather per tensor, then slices
+            order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
+            x_epoch, y_epoch = inputs[order], targets[order]
+            micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
+        window = min(K, len(micro))  # the epoch's end ends a window (a short one), as trainkit's
+        for k in range(window):
             x, y = micro.pop()
-            with model.no_sync() if d.distributed and k < K - 1 else contextlib.nullcontext():
+            with model.no_sync() if d.distributed and k < window - 1 else contextlib.nullcontext():
                 with autocast():
                     loss = task.loss_sum(model(x), y) * (1 / (len(y) * K))
                 loss.backward()

@@ -27,7 +27,7 @@ from trainkit import config, dist, heldout, options
 from trainkit.errors import ConfigError
 from trainkit.inference import predict
 from trainkit.precision import autocast_for
-from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path, write_predictions
+from trainkit.rundir import load_run_config, run_model, say_predicting, split_batches, write_predictions
 
 OWN_KEYS = ("run_dir", "split", "weights", "batch_size", "predict", "trainer", "parallel", "hydra")  # read here
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
@@ -48,16 +48,10 @@ def _cell(value) -> str:
 
 
 def run(cfg: DictConfig, run_cfg: DictConfig, task, d: dist.Dist, out_dir: Path) -> float | None:
-    run_dir = Path(cfg.run_dir)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
-    model = instantiate(run_cfg.model)
-    weights = weights_path(Path(cfg.run_dir), cfg.weights)
-    load_weights(model, weights)
-    d.print0(
-        f"predict | run dir {run_dir} ({weights.name}) | split={cfg.split} ({len(dataset)} samples) | "
-        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
-    )
+    model, weights = run_model(cfg, run_cfg)
+    say_predicting(cfg, weights, len(dataset), batch_size, d, out_dir)
     out = predict(model.to(d.device), loader, d, autocast, task)  # gathered, on every rank
     metrics, rows = task_results(task, out, cfg.predict.probs)
     write_predictions(cfg, out_dir, metrics, rows, d)

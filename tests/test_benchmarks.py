@@ -87,3 +87,28 @@ def test_bench_launch_times_one_process_and_self_launched_workers():
     proc = run_script("scripts/bench_launch.py", "trainer.max_steps=2", "--repeats", "1", "--variants", "plain", "fork")
     rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows == ["command (trainer.max_steps=2)", "plain", "fork"], proc.stdout
+
+
+def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(tmp_path):
+    """scripts/compare_runs.py: max |difference| over every tensor, per common checkpoint step and for model.pt; a
+    step only the reference kept is a dash; DDP's "module." prefix is not a difference."""
+    import torch
+
+    def run(name: str, steps: dict, end: dict, prefix: str = "") -> str:
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        for step, state in steps.items():
+            model = {prefix + key: value for key, value in state.items()}
+            torch.save({"model": model, "optimizer": {}}, tmp_path / name / "checkpoints" / f"step_{step:08d}.pt")
+        torch.save(end, tmp_path / name / "model.pt")
+        return str(tmp_path / name)
+
+    zero = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    one = run("one", {10: zero, 20: zero}, zero)
+    two = run(
+        "two",
+        {10: {"w": torch.tensor([0.0, -0.25, 0.0]), "b": torch.zeros(2)}},
+        {**zero, "b": torch.ones(2)},
+        "module.",
+    )
+    lines = run_script("scripts/compare_runs.py", one, two).stdout.splitlines()
+    assert [line.split() for line in lines[1:]] == [["10", "2.50e-01"], ["20", "-"], ["end", "1.00e+00"]]

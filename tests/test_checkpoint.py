@@ -15,7 +15,7 @@ from helpers import CRASH_RUN as RUN
 from helpers import ROOT, assert_equal, faulty, run_in_process, run_train, together
 from helpers import rows as metrics_rows
 from train import train
-from trainkit.checkpoint import Checkpointer, load_model
+from trainkit.checkpoint import Checkpointer, load_model, save_whole
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
 
@@ -113,6 +113,26 @@ def test_crash_during_save_resumes_from_the_previous_checkpoint(short_run, tmp_p
     state = checkpointer.load("auto")
     assert state["progress"]["step"] == 4
     assert not (directory / "step_00000008.pt.tmp").exists()  # leftovers are cleaned
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("stopped half-way")
+
+
+def test_a_weights_file_stopped_mid_write_is_left_whole_or_absent(tmp_path):
+    """model.pt marks a finished run: a write that fails half-way (here pickling, after the tensor's bytes) keeps
+    the file as it was, or absent, never cut."""
+    path = tmp_path / "model.pt"
+    unpicklable = {"weight": torch.ones(1000), "then": Unpicklable()}
+    with pytest.raises(RuntimeError, match="half-way"):
+        save_whole(unpicklable, path)
+    assert list(tmp_path.iterdir()) == []
+    save_whole({"weight": torch.zeros(3)}, path)
+    with pytest.raises(RuntimeError, match="half-way"):
+        save_whole(unpicklable, path)
+    assert torch.equal(torch.load(path, weights_only=True)["weight"], torch.zeros(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def test_auto_without_checkpoint_starts_fresh_and_keep_must_be_positive(tmp_path):

@@ -160,6 +160,18 @@ def test_an_unknown_option_lists_the_group_s_options(tmp_path, capsys, monkeypat
     assert not run_dir.exists()
 
 
+def test_a_resolver_not_registered_yet_is_one_line_that_says_why():
+    """`--cfg job --resolve` resolves before the options' modules load (and register their resolvers)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import UnsupportedInterpolationType
+
+    with pytest.raises(UnsupportedInterpolationType) as caught:
+        OmegaConf.resolve(OmegaConf.create({"data": {"vocab_size": "${unregistered_vocab_size:}"}}))
+    line = config._one_line(caught.value)
+    assert line is not None and line.startswith("${unregistered_vocab_size:...}: no such resolver is registered yet")
+    assert "without --resolve" in line
+
+
 # End to end: Hydra's composition, config.check, and a refusal from inside train() (the data).
 END_TO_END = [CATALOGUE[0], CATALOGUE[12], CATALOGUE[24]]
 

@@ -133,8 +133,8 @@ class Checkpointer:
         final_ema = ema.full_state_dict(model) if ema.enabled else {}
         if self.d.is_main:
             if final_ema:
-                torch.save(final_ema, run_dir / "model_ema.pt")
-            torch.save(final, run_dir / "model.pt")
+                save_whole(final_ema, run_dir / "model_ema.pt")
+            save_whole(final, run_dir / "model.pt")
         wrote = [run_dir / name for name in ("model.pt", "model_ema.pt")[: 1 + ema.enabled]]
         if best_step is not None:
             wrote += self.write_best(model, selected, best_step, run_dir / "model_best.pt")
@@ -159,7 +159,7 @@ class Checkpointer:
             load_model(model, state["model"], self.best)
         weights = ema.full_state_dict(model)  # FSDP: every rank joins, rank 0 gets them
         if self.d.is_main:
-            torch.save(weights, path)
+            save_whole(weights, path)
         return [path]
 
     def _write(self, path: Path, state: dict) -> Path:
@@ -286,6 +286,18 @@ def _step(path: Path) -> int:
     if match is None:
         raise ValueError(f"{path} is not a checkpoint name")
     return int(match.group(1))
+
+
+def save_whole(state: dict, path: Path) -> None:
+    """torch.save to `path` atomically: a run stopped mid-write leaves the file whole or absent (model.pt marks a
+    finished run: never a cut one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write(tmp, state)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
 
 
 def _write(path: Path, state: dict) -> None:

@@ -24,6 +24,7 @@ from omegaconf.errors import (
     ConfigKeyError,
     InterpolationResolutionError,
     OmegaConfBaseException,
+    UnsupportedInterpolationType,
     ValidationError,
 )
 
@@ -483,6 +484,11 @@ def _one_line(error: BaseException) -> str | None:
         return refused
     if isinstance(error, ConfigCompositionException | OverrideParseException):
         return " ".join(str(error).split("\n")[0].split())
+    if isinstance(error, UnsupportedInterpolationType):  # e.g. --cfg job --resolve: before the options load
+        return (
+            f"${{{str(error).split()[-1]}:...}}: no such resolver is registered yet (an option's module registers its "
+            "own as the run loads it; `--cfg job` without --resolve prints the config)"
+        )
     return None
 
 

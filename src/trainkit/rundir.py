@@ -77,6 +77,22 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     load_model(model, state, f"{path} (the run's model config)")
 
 
+def run_model(cfg: DictConfig, run_cfg: DictConfig) -> tuple[torch.nn.Module, Path]:
+    """The run's model (on the CPU) with the weights `cfg.weights` names, and their file."""
+    model = instantiate(run_cfg.model)
+    weights = weights_path(Path(cfg.run_dir), cfg.weights)
+    load_weights(model, weights)
+    return model, weights
+
+
+def say_predicting(cfg: DictConfig, weights: Path, samples: int, batch_size: int, d: Dist, out_dir: Path) -> None:
+    """predict.py's first line: what it predicts with, on what, where it writes."""
+    d.print0(
+        f"predict | run dir {cfg.run_dir} ({weights.name}) | split={cfg.split} ({samples} samples) | "
+        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
+    )
+
+
 def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> tuple:
     """(the split's data set, its EvalBatches, the batch size per rank): cfg.split of the run's data,
     each rank a contiguous shard (every sample once, rank order is dataset order), at cfg.batch_size

@@ -147,6 +147,7 @@ class AdamW:
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # torch's default
+    eps: float = 1e-8  # torch's default: added to sqrt(v), the floor under a parameter's step size
     decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
 
 

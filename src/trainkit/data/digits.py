@@ -22,7 +22,7 @@ class Splits:
 
 @dataclass
 class Schema(Data):
-    """conf/data/digits.yaml's keys and their types (diabetes' and digits_views': the same)."""
+    """conf/data/digits.yaml's keys and their types (diabetes': the same)."""
 
     splits: Splits = field(default_factory=Splits)
 

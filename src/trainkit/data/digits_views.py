@@ -2,14 +2,34 @@
 split yields two random views of each image, val and test the images with their labels."""
 
 import math
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from trainkit.data.digits import Schema, digits  # noqa: F401  Schema: digits' keys
+from trainkit.data.digits import Splits, digits
 from trainkit.loading import InMemory
+from trainkit.schema import Data
+
+
+@dataclass
+class ViewSplits(Splits):
+    """digits' split fractions and the strengths of the train split's random views (DigitsViews)."""
+
+    shift: float = 1.0
+    rotation: float = 15.0
+    scale: float = 0.15
+    contrast: float = 0.3
+    noise: float = 0.1
+
+
+@dataclass
+class Schema(Data):
+    """conf/data/digits_views.yaml's keys and their types."""
+
+    splits: ViewSplits = field(default_factory=ViewSplits)
 
 
 class DigitsViews(Dataset):
@@ -46,10 +66,13 @@ class DigitsViews(Dataset):
         return view + self.noise * torch.randn_like(view)
 
 
-def digits_views(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:
-    """data=digits_views: digits' splits; train yields two views of each image, val and test the images."""
+def digits_views(
+    val_fraction: float = 0.2, test_fraction: float = 0.2, **strengths: float
+) -> tuple[Dataset, Dataset, Dataset]:
+    """data=digits_views: digits' splits; train yields two views of each image (DigitsViews' `strengths`), val
+    and test the images."""
     train, val, test = digits(val_fraction, test_fraction)
-    return DigitsViews(*cast(InMemory, train).tensors), val, test
+    return DigitsViews(*cast(InMemory, train).tensors, **strengths), val, test
 
 
 def digits_bank(val_fraction: float = 0.2, test_fraction: float = 0.2) -> Dataset:

@@ -28,7 +28,7 @@ class Schema:
     """conf/task/contrastive.yaml's keys and their types."""
 
     _target_: str = MISSING
-    temperature: float = 0.2
+    temperature: float = 0.5
     knn_k: int = 10
     bank_batch_size: int = 256
     bank: Any = None  # a _target_ node: the labelled split kNN classifies against
@@ -54,7 +54,7 @@ class Contrastive:
     metrics = {"knn_acc": "max"}
     monitor = "val/knn_acc"
 
-    def __init__(self, bank: Dataset | None, temperature: float = 0.2, knn_k: int = 10, bank_batch_size: int = 256):
+    def __init__(self, bank: Dataset | None, temperature: float = 0.5, knn_k: int = 10, bank_batch_size: int = 256):
         if bank is None:
             raise ConfigError(
                 "task.bank=null: task=contrastive evaluates by kNN against a labelled split, e.g. "

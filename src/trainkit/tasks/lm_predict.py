@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist
@@ -26,7 +25,7 @@ from trainkit.inference import gather, generate
 from trainkit.loading import shard_bounds
 from trainkit.precision import autocast_for
 from trainkit.rng import generation_seed
-from trainkit.rundir import load_weights, split_batches, weights_path, write_predictions
+from trainkit.rundir import run_model, say_predicting, split_batches, write_predictions
 
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)
@@ -62,13 +61,8 @@ def predict_job(cfg: DictConfig, run_cfg: DictConfig, out_dir: Path) -> float | 
 def answer_run(cfg: DictConfig, run_cfg: DictConfig, d: Dist, out_dir: Path) -> float:
     """data=addition: every problem's answer by greedy decoding, in dataset order."""
     dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
-    model = instantiate(run_cfg.model)
-    weights = weights_path(Path(cfg.run_dir), cfg.weights)
-    load_weights(model, weights)
-    d.print0(
-        f"predict | run dir {cfg.run_dir} ({weights.name}) | split={cfg.split} ({len(dataset)} samples) | "
-        f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank | writing to {out_dir}"
-    )
+    model, weights = run_model(cfg, run_cfg)
+    say_predicting(cfg, weights, len(dataset), batch_size, d, out_dir)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     generated = generate(model.to(d.device), loader, d, END, IGNORE, autocast)  # gathered, every rank
     metrics, rows = sequence_results(dataset, generated)
@@ -99,9 +93,7 @@ def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]
 def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, d: Dist, out_dir: Path) -> None:
     """Text samples from a text run's model: samples.txt and stdout (rank 0)."""
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
-    model = instantiate(run_cfg.model)
-    weights = weights_path(Path(cfg.run_dir), cfg.weights)
-    load_weights(model, weights)
+    model, weights = run_model(cfg, run_cfg)
     d.print0(
         f"sample | run dir {cfg.run_dir} ({weights.name}) | {cfg.num_samples} sample(s) of "
         f"{cfg.max_new_tokens} tokens, temperature {cfg.temperature}, top_k {cfg.top_k}, seed {cfg.seed} | "

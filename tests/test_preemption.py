@@ -114,7 +114,7 @@ def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line
     # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback.
     early, interrupted = tmp_path / "early", tmp_path / "interrupted"
     starting = start(f"hydra.run.dir={early}", *RUN)
-    running = start(f"hydra.run.dir={interrupted}", *RUN)
+    running = start(f"hydra.run.dir={interrupted}", *RUN, "trainer.max_steps=1000000")  # Ctrl-C lands mid-run
     while not early.is_dir():
         assert starting.poll() is None, starting.communicate()
         time.sleep(0.005)

@@ -58,8 +58,21 @@ def start(*args: str, torchrun: bool = False) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
     cmd = [*(launcher or [sys.executable]), str(ROOT / "src/train.py"), *args]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
     )
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT's default action in the child, whatever this process inherited: a shell's background job (`make
+    test &`) ignores SIGINT, and Python, like trainkit, keeps a signal ignored that it was started with."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_rows(proc: subprocess.Popen, metrics: Path, count: int = 2, timeout: float = 300) -> None:
@@ -114,7 +127,7 @@ def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line
     # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback.
     early, interrupted = tmp_path / "early", tmp_path / "interrupted"
     starting = start(f"hydra.run.dir={early}", *RUN)
-    running = start(f"hydra.run.dir={interrupted}", *RUN, "trainer.max_steps=1000000")  # Ctrl-C lands mid-run
+    running = start(f"hydra.run.dir={interrupted}", *RUN, "trainer.max_steps=100000")  # Ctrl-C lands mid-run
     while not early.is_dir():
         assert starting.poll() is None, starting.communicate()
         time.sleep(0.005)

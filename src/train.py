@@ -6,6 +6,7 @@ Reads top to bottom: process group, data, model, optimizer, the loop, the end.
 
 import functools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
-from trainkit.batch import to_device, unpack
+from trainkit.batch import to_device, unpacker
+from trainkit.cadence import Cadence
 from trainkit.coupled import CoupledWindows, couples
 from trainkit.ema import EMA
 from trainkit.errors import ConfigError, RankError, Stopped, user_error
@@ -44,6 +46,7 @@ class StepParts:
     """What an optimizer step works with, built once by train()."""
 
     model: torch.nn.Module  # wrapped for the parallel mode
+    parameters: list[torch.nn.Parameter]  # its parameters, listed once (model.parameters() walks the modules: ~5 us)
     task: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -58,6 +61,8 @@ class StepParts:
     seed: int
     strategy: str  # accumulation.strategy: no_sync | sync_each_batch
     max_norm: float  # trainer.clip_grad_norm; inf: measure the norm, clip nothing
+    unpack: Callable  # batch -> (what the model gets, what the loss reads): the task's, else a pair's halves
+    bare: bool  # nothing needs more than a plain loop's step: bare_step
     # (Plain values, read once: one OmegaConf attribute costs 10-30 us, 4-9 % of the default mlp's step.)
 
     @property
@@ -66,32 +71,57 @@ class StepParts:
         return unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.meter
 
 
-def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> tuple[str, torch.Tensor, int, Any]:
+def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) -> tuple[list, Any, Any]:
+    """The window's micro-batches on this rank, its loss-bearing items (samples; tokens for a sequence task) over
+    all ranks, and the scale that makes the summed gradients their mean; dropout's stream seeded for the step."""
+    began = time.perf_counter()  # time/data_wait: the share of time the loop waits on the loader
+    micro = windows.fetch(window)
+    s.meter.data_wait += time.perf_counter() - began
+    # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
+    # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
+    seed_step(s.seed, step, s.d.rank, s.d.device)
+    items: int | torch.Tensor = windows.samples[window]  # its real samples, all ranks
+    if s.task.items_name:  # counted in the data (fetched first, so known before the first backward): one
+        counts = sum(s.task.items(s.unpack(batch)[1]) for batch in micro)  # all-reduce of a number per step
+        items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64))
+    # The gradient is the mean over the window's items of all ranks, also for a short window (items, not
+    # K x batch). DDP and FSDP average over ranks: hence world_size.
+    return micro, items, s.d.world_size / items
+
+
+def bare_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> None:
+    """The optimizer step where nothing needs more than a plain loop's (one process, no fp16 loss scaling, no
+    skipped windows, a fixed micro-batch, a loss per micro-batch: StepParts.bare): optimizer_step less the calls
+    that do nothing there. Each call the loop makes costs ~2 us in it, 0.3 % of the default mlp's step."""
+    micro, items, scale = window_batches(s, windows, window, step)
+    losses = []
+    for batch in micro:
+        x, y = s.unpack(batch if windows.on_device else to_device(batch, s.d.device))
+        with s.autocast():
+            loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
+        (loss_sum * scale).backward()
+        losses.append(loss_sum.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.parameters, s.max_norm)
+    s.optimizer.step()
+    s.scheduler.step()
+    if s.ema.enabled:
+        s.ema.update()
+    s.optimizer.zero_grad(set_to_none=True)
+    s.meter.add_step(grad_norm, windows.samples[window], items, losses=losses)
+
+
+def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> None:
     """One optimizer step on the global window of up to K micro-batches per rank: forward and backward under the
-    sync decision, clip, decide on every rank together, step. (outcome, grad norm, samples, loss-bearing items)."""
-    samples = windows.samples[window]  # its real samples, all ranks
+    sync decision, clip, decide on every rank together, step; counted in the meter (its loss, norm, samples)."""
     while True:  # data.batch_size=auto: a window that ran out of memory runs again (auto.retry)
-        # Fetched first, so its number of loss-bearing items (samples; tokens for a sequence task) is known
-        # before the first backward.
-        with s.meter.waiting_for_data():  # time/data_wait: the share of time the loop waits on it
-            micro = windows.fetch(window)
-        # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
-        # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
-        seed_step(s.seed, step, s.d.rank, s.d.device)
-        items: int | torch.Tensor = samples
-        if s.task.items_name:  # counted in the data: one all-reduce of a number per step
-            counts = sum(s.task.items(unpack(s.task, batch)[1]) for batch in micro)
-            items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64))
-        # The gradient is the mean over the window's items of all ranks, also for a short window (items, not
-        # K x batch). DDP and FSDP average over ranks: hence world_size.
-        scale = s.d.world_size / items
+        micro, items, scale = window_batches(s, windows, window, step)
         s.guard.start_window()  # on_nonfinite=skip, auto: a dropped window must leave no trace
         if s.coupled is not None:  # the loss couples the global batch: gradient caching (trainkit/coupled.py)
             s.coupled.run(micro, scale, s.strategy)
         else:
             for k, batch in s.auto.micro_steps(micro):  # auto: up to this rank's out of memory
                 batch = batch if windows.on_device else to_device(batch, s.d.device)  # in memory: there already
-                x, y = unpack(s.task, batch)  # what the model gets, what the loss reads
+                x, y = s.unpack(batch)  # what the model gets, what the loss reads
                 # no_sync wraps forward AND backward: DDP arms its all-reduce in forward. (FSDP:
                 # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                 with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():
@@ -108,7 +138,7 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
         s.meter.drop_window()
         windows.refit(window)
     s.scaler.unscale_(s.optimizer)  # clip true gradients, once, after the sync
-    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.max_norm))  # FSDP: a DTensor
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(s.parameters, s.max_norm))  # FSDP: a DTensor
     # All ranks decide together: a rank skipping alone would hang the others. Only skip and fp16 need it
     # before the step (a host sync); raise checks per row (guard.check).
     outcome = s.guard.decide(s.meter, grad_norm, step + 1)
@@ -120,7 +150,7 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
     else:
         s.guard.undo(outcome)  # skip: buffers as before the window; fp16 overflow: the scale backs off
     s.optimizer.zero_grad(set_to_none=True)
-    return outcome, grad_norm, samples, items
+    s.meter.add_step(grad_norm, windows.samples[window], items, skipped=outcome != "step")
 
 
 def announce(
@@ -170,8 +200,12 @@ def build_step(
     meter = TrainMeter(d, comm, task.items_name)
     # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
     coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
-    knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf
-    return StepParts(model, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d, *knobs)
+    # bare: no sync to skip (one process), no fp16 scaling, no window to skip or run again, no batch-coupled loss
+    bare = mode == "single" and not scaler.is_enabled() and guard.deferred and not auto.enabled and coupled is None
+    knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf, unpacker(task), bare
+    parameters = list(model.parameters())
+    parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
+    return StepParts(*parts, *knobs)
 
 
 def resume(
@@ -249,6 +283,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     efficiency = describe(net, train_set, task, d, cfg.trainer.precision)
     parts = build_step(cfg, d, mode, net, task, auto, total_steps)  # the wrapped model, its optimizer, ...
     model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
+    step_once = bare_step if parts.bare else optimizer_step
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
     monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
     selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
@@ -286,6 +321,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
     ):
         logger.summary(efficiency.facts)  # summary.json, W&B's run summary, TensorBoard's text
+        # The steps after which there is more to do than train; every step while these need it
+        busy = console.bar is not None or profiler.steps is not None or stopper.counts
+        cadence = Cadence(total_steps, log_every, eval_every if validates else 0, cfg.checkpoint.every, each_step=busy)
+        calm_until = cadence.next(step)
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             windows.epoch(epoch, first_window)  # set_epoch: a new permutation per epoch
@@ -293,11 +332,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                lr = parts.scheduler.get_last_lr()[0]  # the step's, before the scheduler moves on
-                outcome, grad_norm, samples, items = optimizer_step(parts, windows, window, step)
+                lr = parts.optimizer.param_groups[0]["lr"]  # the step's, before the scheduler moves on
+                step_once(parts, windows, window, step)
                 step += 1
-                meter.add_step(grad_norm, samples, items, skipped=outcome != "step")
-                console.step()
+                if step < calm_until and not stopper.received:  # most steps: nothing more to do (early stopping
+                    continue  # and pruning decide at evaluations)
+                calm_until = cadence.next(step)
+                console.step(step)
                 profiler.step()  # once per optimizer step (not per micro-batch): its steps are the rows'
 
                 # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
@@ -305,8 +346,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 log_now = step % log_every == 0 or step == total_steps
                 eval_now = validates and (step % eval_every == 0 or step == total_steps)
                 save_now = checkpointer.due(step, total_steps) or stopping is not None
-                if not (log_now or eval_now or save_now):  # most steps: nothing more to do (early stopping and
-                    continue  # pruning decide at evaluations)
+                if not (log_now or eval_now or save_now):
+                    continue
                 parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 row: dict[str, float] = {}
                 best_now = False

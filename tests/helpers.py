@@ -416,6 +416,30 @@ def noisy_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
     return NoisyDigits(train), val, test
 
 
+class SlowDigits(torch.utils.data.Dataset):
+    """Digits that take 4 ms to load a sample: a loader the loop waits on (time/data_wait)."""
+
+    draws_random = False
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        time.sleep(0.004)
+        return self.dataset[index]
+
+
+def slow_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
+    """data.splits._target_=helpers.slow_digits: digits whose training split loads slowly."""
+    from trainkit.data.digits import digits
+
+    train, val, test = digits(val_fraction, test_fraction)
+    return SlowDigits(train), val, test
+
+
 class LeastSquares:
     """task._target_=helpers.LeastSquares: half the squared error per sample, the regression task
     a fork would write (tests/test_ddp.py checks training against its closed form)."""

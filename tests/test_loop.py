@@ -219,19 +219,28 @@ def test_a_run_s_throughput_leaves_its_evaluations_out(tmp_path):
     assert [row["step"] for row in logged] == [2, 4, 6] and min(row["samples_per_s"] for row in logged) > 1000
 
 
-def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader():
-    from trainkit.metrics import TrainMeter
-    from trainkit.parallel import CommStats
+def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader(tmp_path):
+    """time/data_wait: a loader that sleeps 4 ms a sample (32 ms a micro-batch of 8, the mlp's step ~1 ms) is
+    most of a row's time; the in-memory digits almost none of it."""
+    common = ["data.batch_size=8", "trainer.max_steps=6", "trainer.log_every=3", "trainer.eval_every=100"]
+    common += ["trainer.test=false", "checkpoint.every=0"]
+    _, slow = run(tmp_path / "slow", "data.splits._target_=helpers.slow_digits", *common)
+    _, fast = run(tmp_path / "fast", *common)
+    shares = [[row["time/data_wait"] for row in rows if "time/data_wait" in row] for rows in (slow, fast)]
+    assert len(shares[0]) == len(shares[1]) == 2
+    assert min(shares[0]) > 0.7 and max(shares[1]) < 0.3, shares
 
-    meter = TrainMeter(CPU, CommStats())
-    meter.start_clock()
-    with meter.waiting_for_data():
-        time.sleep(0.3)
-    time.sleep(0.3)  # forward, backward, step
-    meter.add_step(torch.tensor(1.0), samples=10, items=10)
-    assert 0.4 < meter.row()["time/data_wait"] < 0.6
-    meter.add_step(torch.tensor(1.0), samples=10, items=10)
-    assert meter.row()["time/data_wait"] < 0.1  # per row: the next starts from zero
+
+def test_the_cadence_names_each_step_that_logs_evaluates_or_saves_and_the_last():
+    """The steps train() does its bookkeeping after (trainkit/cadence.py): multiples of each non-zero interval and
+    the run's last; every step where something needs every step (a live bar, the profiler, a counting Stopper)."""
+    from trainkit.cadence import Cadence
+
+    cadence, events = Cadence(20, 3, 0, 8), [0]  # log_every=3, no evaluation, checkpoint.every=8
+    while events[-1] < 20:
+        events.append(cadence.next(events[-1]))
+    assert events[1:] == [3, 6, 8, 9, 12, 15, 16, 18, 20]
+    assert [Cadence(5, 3, each_step=True).next(step) for step in range(5)] == [1, 2, 3, 4, 5]
 
 
 def test_the_meter_keeps_no_autograd_graph():

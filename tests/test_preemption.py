@@ -124,10 +124,15 @@ def test_a_signal_ignored_before_the_run_stays_ignored_and_the_others_stop_it():
 @pytest.mark.slow
 def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line_with_its_status(tmp_path):
     # SIGUSR1 as soon as Hydra made the run dir (the loop's Stopper is not there yet): nothing to checkpoint,
-    # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback.
-    early, interrupted = tmp_path / "early", tmp_path / "interrupted"
+    # the line, 128 + 10, and no empty run dir. Ctrl-C mid-run: the line, 128 + 2, no traceback. SIGUSR1 in step
+    # 17's forward, between log rows (50): the checkpoint of step 17 (the loop reads the signal's flag every step,
+    # also where the cadence has nothing to do: trainkit/cadence.py; planted, not read there: seen failing).
+    early, interrupted, signalled = tmp_path / "early", tmp_path / "interrupted", tmp_path / "signalled"
     starting = start(f"hydra.run.dir={early}", *RUN)
     running = start(f"hydra.run.dir={interrupted}", *RUN, "trainer.max_steps=100000")  # Ctrl-C lands mid-run
+    model = ["model._target_=test_preemption.signalling_mlp", "+model.rank=0", "+model.at_forward=17"]
+    model += [f"+model.signum={int(signal.SIGUSR1)}", f"+model.marker={tmp_path / 'sent'}"]
+    in_step_17 = start(f"hydra.run.dir={signalled}", *RUN, *model)
     while not early.is_dir():
         assert starting.poll() is None, starting.communicate()
         time.sleep(0.005)
@@ -140,6 +145,10 @@ def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line
     assert not early.exists()
     assert running.returncode == 128 + signal.SIGINT, interrupted_err
     assert interrupted_err == f"error: {config.INTERRUPTED}\n"
+    _, signalled_err = finish(in_step_17)
+    assert in_step_17.returncode == 128 + signal.SIGUSR1, signalled_err
+    assert stopped_at(signalled_err, "SIGUSR1") == 17
+    assert_checkpoint_of(signalled, 17)
 
 
 def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:

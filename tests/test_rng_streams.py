@@ -31,10 +31,14 @@ DROPOUT_LM = [
 
 
 def train_lm(run_dir: Path, *overrides: str) -> dict:
+    return train_with(run_dir, *DROPOUT_LM, *overrides)
+
+
+def train_with(run_dir: Path, *overrides: str) -> dict:
     from train import train
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[*DROPOUT_LM, *overrides])
+        cfg = compose("train", overrides=list(overrides))
     run_dir.mkdir(parents=True, exist_ok=True)
     train(cfg, CPU, "single", run_dir)
     return torch.load(run_dir / "model.pt", weights_only=True)
@@ -57,6 +61,17 @@ def test_loader_workers_change_nothing_dropout_included(no_workers, tmp_path):
     print(f"max |weights(2 workers) - weights(0 workers)| {max_diff(got, expected):.2e}")
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def test_dropout_beside_an_augmentation_draws_the_same_with_and_without_loader_workers(tmp_path):
+    """Loading in this process re-seeds the generators per sample of a data set that draws (NoisyDigits); workers
+    do that in their own processes. Dropout draws the same either way because every step re-seeds its stream
+    (rng.seed_step): without it in train.bare_step, the default step, the weights differ (planted, seen)."""
+    augmented = ["data.splits._target_=helpers.noisy_digits", "model.dropout=0.3", "data.batch_size=64"]
+    short = ["trainer.max_steps=3", "trainer.eval_every=1000", "trainer.test=false", "checkpoint.every=0"]
+    inline, workers = (train_with(tmp_path / str(n), *augmented, *short, f"data.num_workers={n}") for n in (0, 2))
+    for key in inline:
+        assert torch.equal(workers[key], inline[key]), key
 
 
 def test_a_resume_that_switches_to_loader_workers_is_exact(no_workers, tmp_path):

@@ -72,17 +72,27 @@ def collate(samples: list) -> Any:
     return default_collate(samples)
 
 
-def unpack(task, batch: Any) -> tuple[Any, Any]:
-    """(what the model gets, what the task's loss reads) of a batch: the task's `unpack(batch)`, else a pair's
-    two halves (x, y). A batch of another shape without `unpack` is refused in one line."""
+def unpacker(task) -> Callable[[Any], tuple[Any, Any]]:
+    """batch -> (what the model gets, what the task's loss reads): the task's `unpack(batch)`, else a pair's two
+    halves (x, y); a batch of another shape without `unpack` is refused in one line. Looked up once per run."""
     if (split := getattr(task, "unpack", None)) is not None:
-        return split(batch)
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields"):
-        return batch[0], batch[1]
-    raise ConfigError(
-        f"task {type(task).__name__} gets batches of {type(batch).__name__} (not an (input, target) pair): "
-        "give it an unpack(batch) that returns (what the model gets, what its loss reads)"
-    )
+        return split
+
+    def pair(batch: Any) -> tuple[Any, Any]:
+        is_pair = type(batch) in (tuple, list) or isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields")
+        if is_pair and len(batch) == 2:  # (a namedtuple is a record, not a pair)
+            return batch[0], batch[1]
+        raise ConfigError(
+            f"task {type(task).__name__} gets batches of {type(batch).__name__} (not an (input, target) pair): "
+            "give it an unpack(batch) that returns (what the model gets, what its loss reads)"
+        )
+
+    return pair
+
+
+def unpack(task, batch: Any) -> tuple[Any, Any]:
+    """unpacker(task)(batch)."""
+    return unpacker(task)(batch)
 
 
 def _fields(batch: Any) -> list:

@@ -209,21 +209,6 @@ class _Span:
         self.add(clock() - self.began)
 
 
-class _Wait:
-    """The span time/data_wait sums, once a step: perf_counter's (see timed_by), added in place."""
-
-    __slots__ = ("meter", "began")
-
-    def __init__(self, meter):
-        self.meter, self.began = meter, 0.0
-
-    def __enter__(self) -> None:
-        self.began = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.meter.data_wait += time.perf_counter() - self.began
-
-
 class TrainMeter:
     """Sums since the last log row, kept as device tensors so the loop never waits on .item():
     the one host sync (and the one all-reduce of the loss) happens when a row is written.
@@ -241,7 +226,6 @@ class TrainMeter:
         self.samples = self.skipped = 0
         self.items: int | torch.Tensor = 0  # a tensor where the data counts them (tokens)
         self.window: list[torch.Tensor] = []  # this window's micro-step loss sums, this rank
-        self._data_wait = _Wait(self)
         self._paused = _Span(self._pause)
         self._reset()
 
@@ -252,7 +236,7 @@ class TrainMeter:
         self.norms: list[torch.Tensor] = []
         self.row_items: int | torch.Tensor = 0
         self.steps = self.row_skipped = self.row_samples = 0
-        self.data_wait = 0.0
+        self.data_wait = 0.0  # seconds the loop waited on the loader since the last row (train.window_batches adds)
         self.syncs, self.bytes = self.comm.syncs, self.comm.bytes
         self.started = clock()
 
@@ -264,10 +248,6 @@ class TrainMeter:
     def paused(self) -> _Span:
         """Time spent in the body (evaluation, checkpoints) does not count as training time."""
         return self._paused
-
-    def waiting_for_data(self) -> _Wait:
-        """Time in the body is the loop waiting on the loader (time/data_wait: its share of the row's time)."""
-        return self._data_wait
 
     def _pause(self, seconds: float) -> None:
         self.started += seconds
@@ -287,9 +267,17 @@ class TrainMeter:
         """loss_sum: this rank's summed loss of one micro-batch's items."""
         self.window.append(loss_sum.detach())
 
-    def add_step(self, grad_norm: torch.Tensor, samples: int, items: int | torch.Tensor, skipped: bool = False) -> None:
+    def add_step(
+        self,
+        grad_norm: torch.Tensor,
+        samples: int,
+        items: int | torch.Tensor,
+        skipped: bool = False,
+        losses: list[torch.Tensor] | None = None,
+    ) -> None:
         """grad_norm: the global pre-clip norm; samples and items: the window's real samples and
-        loss-bearing items, all ranks; skipped: the window was dropped (non-finite, or fp16 overflow)."""
+        loss-bearing items, all ranks; skipped: the window was dropped (non-finite, or fp16 overflow);
+        losses: the window's micro-step loss sums, detached, where they were not added one by one (add_micro_step)."""
         self.steps += 1
         self.samples += samples
         self.row_samples += samples
@@ -298,7 +286,7 @@ class TrainMeter:
             self.skipped += 1
             self.row_skipped += 1
         else:
-            self.losses += self.window
+            self.losses += self.window if losses is None else losses
             self.norms.append(grad_norm.detach() if grad_norm.requires_grad else grad_norm)  # clip's: no graph
             self.row_items = self.row_items + items
             if len(self.losses) >= PENDING or len(self.norms) >= PENDING:

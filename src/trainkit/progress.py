@@ -30,10 +30,10 @@ class Progress:
             else None
         )
 
-    def step(self) -> None:
-        """One optimizer step done (no host sync: the bar counts, the numbers come with log rows)."""
+    def step(self, step: int) -> None:
+        """Optimizer steps up to `step` done (no host sync: the bar counts, the numbers come with log rows)."""
         if self.bar is not None:
-            self.bar.update()
+            self.bar.update(step - self.bar.n)
 
     def row(self, loss: float, lr: float, samples_per_s: float) -> None:
         if self.bar is not None:

@@ -107,7 +107,8 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device) -> None:
     whether the batches were loaded in this process (a loader seeds the global generators per sample)
     or in a worker, nor on what they drew; a resume needs no RNG state for them. ~1.3 us a step, most of it
     the CPU generator's own seeding (torch.manual_seed would also seed every CUDA device: ~250 us even without one)."""
-    value = step_seed(seed, step, rank)
+    key, seeds = _table  # step_seed(seed, step, rank), less a call where its block's table is at hand
+    value = seeds[step % STEPS] if key == (seed, rank, step // STEPS) else step_seed(seed, step, rank)
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index].manual_seed(value)  # resolve_device: always indexed

@@ -181,6 +181,11 @@ class Stopper:
             self.watchdog.start()
         self.received = self.received or signum
 
+    @property
+    def counts(self) -> bool:
+        """due() has work every step: it counts steps to the ranks' next check, or time against a budget."""
+        return not self.alone or self.budget is not None
+
     def due(self, last: bool = False) -> str | None:
         """After each optimizer step, on every rank: why every rank stops after this step (a signal's
         name, `trainer.max_time=...`), the same on all of them, or None. `last`: the run's last step,

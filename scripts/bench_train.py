@@ -1,42 +1,36 @@
-"""Training throughput: trainkit's loop (src/train.py's train()) against a plain PyTorch loop,
-side by side in one process, on the same model, data, optimizer, clipping and precision.
+"""Training throughput: trainkit's loop (src/train.py's train()) against plain PyTorch loops, side by side in one
+process, on the same model, data, optimizer, schedule, clipping and precision.
 
-    .venv/bin/python scripts/bench_train.py [--blocks 20] [--steps 400] [--warmup-blocks 1] [--clock cpu]
-        [--threads 1] [--pin] [--verbose] [overrides ...]
+    .venv/bin/python scripts/bench_train.py [--steps 3000] [--every 10] [--clock cpu] [--threads 1] [--pin]
+        [--suite [--seconds 20]] [--breakdown] [--compile] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
-    ... +experiment=pydoc_gpt: the character GPT on CPython's documentation (task=lm)
-    ... --compile model=cnn: also trainkit with trainer.compile=true (timed after its first half:
-        compilation is left out)
+    ... +experiment=pydoc_gpt --steps 400: the character GPT on CPython's documentation (task=lm)
+    ... --suite: the table of docs/performance.md, the default mlp, the cnn and a 1-D conv net at K=1 and K=4
+    ... --compile model=cnn: also trainkit with trainer.compile=true (its own run, compilation left out)
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 scripts/bench_train.py accumulation.steps=4
-        (2-rank DDP: trainkit's loop against a plain DDP loop with the same no_sync accumulation)
+        (2-rank DDP: trainkit's loop against plain DDP loops with the same no_sync accumulation)
 
-A figure that holds on a shared machine: the two loops alternate in short blocks (--steps each,
-plain first in even blocks, trainkit first in odd ones), each timed over the second half of its
-block only (steady state: start-up, the first steps, the final evaluation and checkpoint are left
-out), in one process with the same threads; the first --warmup-blocks pairs are run and dropped. The
-figure is the median of the blocks' ratios, with their quartiles. Both loops are timed by the
-process's CPU time by default (--clock cpu: time.process_time, for trainkit through its own meter,
-whose samples_per_s then counts CPU seconds). Each loop reads that clock only where its timed span
-starts and ends (trainkit's meter also around the evaluations, rows and checkpoints it leaves out):
-time/data_wait's span, twice a step, stays on perf_counter, as in a real run, because process_time
-is a system call (~0.8 us against 0.06) that would charge trainkit ~1.5 us a step that a run does
-not pay (metrics.timed_by). On a 2-core machine shared with 5 other jobs (load
-5-8) wall-clock blocks ranged 0.58-1.38 around the same median, CPU-time blocks 1.01-1.22, and five
-runs of 20 blocks gave medians 1.07-1.10 on the default job. --clock wall is what a quiet machine
-shows. One intra-op thread by default (--threads): on a shared machine, OpenMP threads that wait on
-each other made single blocks 10x slower or faster (a range of 0.13-28.9 with 2 threads under load,
-0.96-1.04 with one). With one thread per process and no loader workers, CPU time is the loop's own
-work; under torchrun it leaves out the time a rank waits on the other's all-reduce.
+The plain loops: **tensor**, the fastest a person writes for a data set that fits in memory (the split's tensors on
+the device once, a permutation per epoch, slices: airbench's loop), and **dataloader**, the tutorial's (a DataLoader
+that shuffles). Neither keeps metrics or evaluates.
 
---breakdown also times single steps of both loops (alternating blocks, each step's CPU time from one
-zero_grad to the next, and from zero_grad to the model's forward: the loop's own Python before it) and
-prints their quantiles: the quickest tenth of the steps moves little when the machine slows a block, the
-block medians do; and the CPU time each hook train() calls costs per step.
+How a figure holds on a shared machine: the loops run interleaved in one process. train() runs its --steps steps
+and, after every --every of them (at its optimizer's zero_grad), each plain loop runs its next --every steps, the
+same steps (samples, schedule) as trainkit's; each segment is timed by the process's CPU time (--clock cpu:
+time.process_time; wall time on a GPU, --clock auto). Segments a few milliseconds apart see the same machine: a
+load that slows one slows its neighbours alike. The first quarter of the run is warm-up, untimed. The figure is
+trainkit's speed over a plain loop's, the plain loop's time over trainkit's summed over every timed segment, and
+beside it the range of that ratio over 8 consecutive parts of the run. Blocks of whole runs, this script's method
+before (the loops alternating, one run each per block), moved a row's median by up to 0.09 between two runs on
+this 2-core machine under another job's load; interleaved, the same rows moved by 0.01 (docs/performance.md).
+The timed steps include trainkit's own (the meter's sums every 256 steps, one log row); its evaluation, test pass
+and checkpoints come after the last timed segment. One intra-op thread by default (--threads): OpenMP threads that
+wait on each other on a shared machine made single blocks 10x slower or faster. With one thread per process and no
+loader workers, CPU time is the loop's own work; under torchrun it leaves out the time a rank waits on the other.
 
-trainkit's time is its last metrics row (log_every = steps / 2). What the ratio shows is what
-trainkit adds per step: the sampler without padding, the per-sample seeds (for a data set that
-draws only), the metrics sums and the exact loss normalisation; the plain loop's DataLoader (trainkit
-indexes an in-memory data set itself) is why trainkit comes out ahead on the small models.
+--breakdown: where trainkit's extra time goes. The Python function calls per step of trainkit and the tensor loop
+(cProfile over the same steps: a count, the same on any machine), and the CPU time of each hook train() calls per
+step (each wrapped and timed in a real run, less the wrapper's own cost).
 """
 
 import argparse
@@ -49,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -81,11 +76,12 @@ def conv1d(in_shape, num_classes: int, width: int = 32, depth: int = 2, dropout:
     )
 
 
-def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
+def plain_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
     """The loop a tutorial would write: shuffle, forward, mean loss, backward, clip, step, schedule;
     under torchrun DDP with DistributedSampler and no_sync() around the window's micro-batches but its
     last; an epoch's end ends a window (`or the last batch`). The loss is the task's (classification:
-    cross-entropy; lm: over the loss-bearing tokens), a mean per micro-batch / K as tutorials do."""
+    cross-entropy; lm: over the loss-bearing tokens), a mean per micro-batch / K as tutorials do. Yields each
+    step's samples (all ranks) after its zero_grad."""
     torch.manual_seed(cfg.seed)
     train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     model = instantiate(cfg.model).to(d.device)
@@ -101,18 +97,14 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
     autocast = autocast_for(cfg.trainer.precision, d.device)
     max_norm = cfg.trainer.clip_grad_norm or math.inf
     K = config.accumulation_steps(cfg, d.world_size)
-    batches, samples, started, epoch, left = iter(loader), 0, 0.0, 0, len(loader)
-    for step in range(steps):
-        if step == steps // 2:
-            if d.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples, started = 0, clock()
+    batches, epoch, left = iter(loader), 0, len(loader)
+    for _ in range(steps):
         if not left:  # the epoch's end ends a window (a short one), as trainkit's: as many optimizer steps
             epoch, left = epoch + 1, len(loader)
             if sampler is not None:
                 sampler.set_epoch(epoch)
             batches = iter(loader)
-        window = min(K, left)
+        window, samples = min(K, left), 0
         for k in range(window):
             x, y = next(batches)
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
@@ -126,12 +118,10 @@ def plain_loop(cfg, d: dist.Dist, steps: int) -> float:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    if d.device.type == "cuda":
-        torch.cuda.synchronize()
-    return samples / (clock() - started)
+        yield samples
 
 
-def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
+def tensor_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
     """The fastest plain loop a person writes for a data set that fits in memory (airbench's and the
     small-model papers' loops): the split's tensors on the device once, a random permutation per epoch
     (one gather), micro-batches as slices of it, forward, loss, backward, clip, step, schedule,
@@ -141,7 +131,7 @@ def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
     steps; the default mlp's clip and AdamW step are a fifth of its K=4 step). The loss is the task's
     sum over the micro-batch's items times 1 / (items x K): one scalar op, as a mean loss / K. Under
     torchrun rank r takes every W-th sample of the permutation and DDP's no_sync() wraps the window's
-    micro-batches but its last. Needs tensors (InMemory)."""
+    micro-batches but its last. Needs tensors (InMemory). Yields each step's samples (all ranks)."""
     torch.manual_seed(cfg.seed)
     train_set, *_ = instantiate(cfg.data.splits)  # (train, val, test)
     inputs, targets = (t.to(d.device) for t in train_set.tensors)
@@ -156,18 +146,13 @@ def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
     K, b = config.accumulation_steps(cfg, d.world_size), cfg.data.batch_size
     generator = torch.Generator(d.device).manual_seed(cfg.seed)
     micro: list = []  # this epoch's micro-batches, (x, y) slices, next first
-    samples, started = 0, 0.0
     model.train()
-    for step in range(steps):
-        if step == steps // 2:
-            if d.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples, started = 0, clock()
+    for _ in range(steps):
         if not micro:  # a new epoch: one permutation, one gather per tensor, then slices
             order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
             x_epoch, y_epoch = inputs[order], targets[order]
             micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
-        window = min(K, len(micro))  # the epoch's end ends a window (a short one), as trainkit's
+        window, samples = min(K, len(micro)), 0  # the epoch's end ends a window (a short one), as trainkit's
         for k in range(window):
             x, y = micro.pop()
             with model.no_sync() if d.distributed and k < window - 1 else contextlib.nullcontext():
@@ -179,9 +164,12 @@ def tensor_loop(cfg, d: dist.Dist, steps: int) -> float:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        yield samples
+
+
+def synchronize(d: dist.Dist) -> None:
     if d.device.type == "cuda":
         torch.cuda.synchronize()
-    return samples / (clock() - started)
 
 
 def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
@@ -198,34 +186,91 @@ def trainkit_loop(cfg, d: dist.Dist, steps: int) -> float:
         return d.gather_object(rate)[0]
 
 
-# What train() calls per optimizer step beyond the plain loop's forward, loss, backward, clip, step, schedule
-# and zero_grad (--breakdown): (where, attribute, what). Context managers are timed at entry and exit (not
-# their bodies), generators and iterators per item; the rest per call.
+def advance(loop: Iterator[int], count: int) -> None:
+    for _ in range(count):
+        next(loop)
+
+
+PLAIN = {"tensor": tensor_steps, "dataloader": plain_steps}  # the plain loops, as step generators
+
+
+def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> dict[str, list[float]]:
+    """Each loop's seconds per segment of `every` optimizer steps, measured side by side in one run: train() runs
+    its `steps` steps and, after each `every` of them (at its optimizer's zero_grad), each plain loop in `names`
+    runs its next `every` steps, the same steps (samples, schedule) as trainkit's. Segments a few milliseconds
+    apart see the same machine, which blocks of whole runs do not. The first quarter is run untimed by all."""
+    plain = {name: PLAIN[name](cfg, d, steps) for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in ["trainkit", *plain]}
+    warm = max(every, steps // 4 // every * every)
+    done, inside, last = 0, False, 0.0
+    original = torch.optim.Optimizer.zero_grad
+
+    def zero_grad(self, *args, **kwargs):  # every loop's, so that each pays the same call
+        nonlocal done, inside, last
+        original(self, *args, **kwargs)
+        if inside:
+            return
+        done += 1
+        if done < warm or done % every:
+            return
+        inside = True
+        synchronize(d)
+        now = clock()
+        if done > warm:
+            seconds["trainkit"].append(now - last)
+        for name, loop in plain.items():
+            started = clock()
+            advance(loop, warm if done == warm else every)
+            synchronize(d)
+            if done > warm:
+                seconds[name].append(clock() - started)
+        last, inside = clock(), False
+
+    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    try:
+        trainkit_loop(cfg, d, steps)
+    finally:
+        torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
+    return seconds
+
+
+def segment_ratio(seconds: dict[str, list[float]], baseline: str, groups: int = 8) -> tuple[float, list[float]]:
+    """trainkit's speed over the baseline's (its time over trainkit's, over the same steps) in all, and in each of
+    `groups` runs of consecutive segments (how much it moves within the run)."""
+    ours, theirs = seconds["trainkit"], seconds[baseline]
+    bounds = [round(i * len(ours) / groups) for i in range(groups + 1)]
+    parts = [sum(theirs[a:b]) / sum(ours[a:b]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return sum(theirs) / sum(ours), parts
+
+
+# What train() may call per optimizer step beyond the plain loop's forward, loss, backward, clip, step, schedule and
+# zero_grad (--breakdown): (where, attribute, what). Context managers are timed at entry and exit (not their bodies),
+# generators and iterators per item; the rest per call. The default job's step (train.bare_step) calls the first
+# four; "(optimizer_step)": the general step's (DDP, FSDP, fp16, on_nonfinite=skip, auto, a coupled loss);
+# "(bookkeeping steps)": after a step that logs, evaluates or saves (trainkit.cadence), or after every step.
 HOOKS = [
-    ("trainkit.loading:TrainLoader", "epoch", "data: the window's micro-batches (per item)"),
-    ("trainkit.metrics:TrainMeter", "waiting_for_data", "meter: time/data_wait's clock"),
-    ("trainkit.metrics:TrainMeter", "add_micro_step", "meter: the micro-batch's loss sum"),
-    ("trainkit.metrics:TrainMeter", "add_step", "meter: the step's sums"),
-    ("trainkit.metrics:TrainMeter", "paused", "meter: paused() around evaluation / rows"),
+    ("trainkit.loading:TrainWindows", "fetch", "data: the window's micro-batches"),
+    ("trainkit.loading:TrainWindows", "epoch", "data: the epoch's start (per step)"),
     ("train", "seed_step", "rng: seed_step (dropout's stream)"),
-    ("train", "sync_context", "accumulate: sync_context"),
-    ("train", "syncs_now", "accumulate: syncs_now"),
-    ("trainkit.autobatch:AutoBatch", "micro_steps", "autobatch: micro_steps (per item)"),
-    ("trainkit.autobatch:AutoBatch", "catching", "autobatch: catching()"),
-    ("trainkit.autobatch:AutoBatch", "retry", "autobatch: retry()"),
-    ("trainkit.guard:StepGuard", "start_window", "guard: start_window"),
-    ("trainkit.guard:StepGuard", "decide", "guard: decide"),
+    ("trainkit.metrics:TrainMeter", "add_micro_step", "meter: add_micro_step (optimizer_step)"),
+    ("trainkit.metrics:TrainMeter", "add_step", "meter: add_step"),
+    ("trainkit.metrics:TrainMeter", "paused", "meter: paused() around evaluation / rows"),
+    ("train", "sync_context", "accumulate: sync_context (optimizer_step)"),
+    ("train", "syncs_now", "accumulate: syncs_now (optimizer_step)"),
+    ("trainkit.autobatch:AutoBatch", "micro_steps", "autobatch: micro_steps (optimizer_step)"),
+    ("trainkit.autobatch:AutoBatch", "catching", "autobatch: catching() (optimizer_step)"),
+    ("trainkit.autobatch:AutoBatch", "retry", "autobatch: retry() (optimizer_step)"),
+    ("trainkit.guard:StepGuard", "start_window", "guard: start_window (optimizer_step)"),
+    ("trainkit.guard:StepGuard", "decide", "guard: decide (optimizer_step)"),
     ("trainkit.guard:StepGuard", "check", "guard: check (logged steps)"),
-    ("torch.amp:GradScaler", "scale", "GradScaler.scale (fp32: off)"),
-    ("torch.amp:GradScaler", "unscale_", "GradScaler.unscale_"),
-    ("torch.amp:GradScaler", "update", "GradScaler.update"),
-    ("train", "full_tensor", "parallel: full_tensor"),
-    ("torch.optim.lr_scheduler:LRScheduler", "get_last_lr", "scheduler.get_last_lr"),
-    ("trainkit.ema:EMA", "update", "ema.update (off)"),
-    ("trainkit.progress:Progress", "step", "progress: step"),
-    ("trainkit.profile:Profiler", "step", "profiler: step (off)"),
-    ("trainkit.stop:Stopper", "due", "stop: Stopper.due"),
-    ("trainkit.checkpoint:Checkpointer", "due", "checkpoint: due"),
+    ("torch.amp:GradScaler", "scale", "GradScaler.scale (optimizer_step)"),
+    ("torch.amp:GradScaler", "step", "GradScaler.step (optimizer_step)"),
+    ("trainkit.ema:EMA", "update", "ema.update (on)"),
+    ("trainkit.progress:Progress", "step", "progress: step (bookkeeping steps)"),
+    ("trainkit.profile:Profiler", "step", "profiler: step (bookkeeping steps)"),
+    ("trainkit.stop:Stopper", "due", "stop: Stopper.due (bookkeeping steps)"),
+    ("trainkit.cadence:Cadence", "next", "cadence: next (bookkeeping steps)"),
+    ("trainkit.checkpoint:Checkpointer", "due", "checkpoint: due (bookkeeping steps)"),
     ("trainkit.metrics:TrainMeter", "row", "rows: meter.row (per row)"),
     ("trainkit.summary:Efficiency", "row", "rows: efficiency.row (per row)"),
     ("trainkit.progress:Progress", "train_line", "rows: console line (per row)"),
@@ -308,108 +353,6 @@ def breakdown(cfg, d: dist.Dist, steps: int, repeats: int = 3) -> list[tuple[str
     return [(what, statistics.median(values)) for what, values in totals.items()]
 
 
-def step_times(cfg, d: dist.Dist, args) -> dict[str, dict[str, list[list[float]]]]:
-    """{loop: {"step": [[us] per block], "to forward": ...}} of single optimizer steps over each block's second half,
-    the tensor loop and trainkit alternating: from one zero_grad's end to the next ("step"), and to the start of
-    the model's first forward after it ("to forward": the loop's bookkeeping, data, seeds, contexts)."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-    marks: list[tuple[str, float]] = []
-    depth = [0]  # forwards under way: only the outermost module's marks
-
-    def zero_grad(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        marks.append(("zero_grad", clock()))
-        return result
-
-    def pre(module, inputs):
-        depth[0] += 1
-        if depth[0] == 1 and marks and marks[-1][0] == "zero_grad":
-            marks.append(("forward", clock()))
-
-    def post(module, inputs, output):
-        depth[0] -= 1
-
-    original = torch.optim.Optimizer.zero_grad
-    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
-    times: dict[str, dict[str, list[list[float]]]] = {
-        name: {"step": [], "to forward": []} for name in ("tensor", "trainkit")
-    }
-    try:
-        for block in range(args.warmup_blocks + args.blocks):
-            for name in sorted(times, reverse=block % 2 == 1):
-                marks.clear()
-                (tensor_loop if name == "tensor" else trainkit_loop)(cfg, d, args.steps)
-                if block < args.warmup_blocks:
-                    continue
-                ends = [i for i, (what, _) in enumerate(marks) if what == "zero_grad"][args.steps // 2 :]  # 2nd half
-                pairs = list(zip(ends, ends[1:], strict=False))
-                times[name]["step"].append([(marks[j][1] - marks[i][1]) * 1e6 for i, j in pairs])
-                times[name]["to forward"].append(
-                    [(marks[i + 1][1] - marks[i][1]) * 1e6 for i, _ in pairs if marks[i + 1][0] == "forward"]
-                )
-    finally:
-        torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
-        for handle in handles:
-            handle.remove()
-    return times
-
-
-def step_lines(times: dict[str, dict[str, list[list[float]]]], clock_name: str) -> str:
-    """The quantiles of single steps, the median over the blocks of each block's own, and trainkit's over the tensor
-    loop's block next to it: a block the machine slowed moves all of its steps, not one loop's against the other's."""
-    lines = [
-        f"| single steps ({clock_name} time, us; medians over blocks) | tensor loop | trainkit | trainkit - tensor |",
-        "|---|---:|---:|---:|",
-    ]
-    for what in ("step", "to forward"):
-        for q in (10, 25, 50):
-            per_block = {
-                name: [statistics.quantiles(block, n=100)[q - 1] for block in blocks[what]]
-                for name, blocks in times.items()
-            }
-            tensor, ours = per_block["tensor"], per_block["trainkit"]
-            diff = statistics.median(b - a for a, b in zip(tensor, ours, strict=True))
-            lines.append(
-                f"| {what}, {q}th percentile | {statistics.median(tensor):.1f} | {statistics.median(ours):.1f} "
-                f"| {diff:.1f} |"
-            )
-    return "\n".join(lines)
-
-
-def compare(cfg, d: dist.Dist, args) -> dict[str, list[float]]:
-    """The three loops' samples/s in alternating blocks (the order reverses every block: drift cancels)."""
-    loops = {
-        "tensor": lambda: tensor_loop(cfg, d, args.steps),
-        "dataloader": lambda: plain_loop(cfg, d, args.steps),
-        "trainkit": lambda: trainkit_loop(cfg, d, args.steps),
-    }
-    if not isinstance(instantiate(cfg.data.splits)[0], TensorDataset):
-        loops.pop("tensor")  # a data set that is no tensors: the DataLoader loop only
-    rates: dict[str, list[float]] = {name: [] for name in loops}
-    for block in range(args.warmup_blocks + args.blocks):
-        for name in sorted(loops, reverse=block % 2 == 1):
-            rate = loops[name]()
-            if block >= args.warmup_blocks:
-                rates[name].append(rate)
-        if args.verbose and block >= args.warmup_blocks:
-            d.print0(f"block {block}: " + " ".join(f"{name} {values[-1]:.0f}" for name, values in rates.items()))
-    return rates
-
-
-def ratio_line(rates: dict[str, list[float]], baseline: str, short: bool = False) -> str:
-    """trainkit's samples/s over the baseline's: the median of the blocks' ratios, its quartiles and range."""
-    ratios = [ours / plain for ours, plain in zip(rates["trainkit"], rates[baseline], strict=True)]
-    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    if short:
-        return f"{statistics.median(ratios):.3f} ({low:.2f}-{high:.2f})"
-    return (
-        f"{statistics.median(ratios):.3f} (median of {len(ratios)} blocks; "
-        f"quartiles {low:.2f}-{high:.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
-    )
-
-
 SUITE = {  # --suite: the issue-36 table (the three models at K=1 and K=4)
     "mlp (default)": [],
     "cnn": ["model=cnn"],
@@ -431,42 +374,108 @@ def composed(steps: int, overrides: list[str]):
         )
 
 
+def measure(cfg, d: dist.Dist, steps: int, every: int) -> dict[str, list[float]]:
+    """interleaved() with the plain loops the data allows (tensor needs a TensorDataset)."""
+    tensors = isinstance(instantiate(cfg.data.splits)[0], TensorDataset)
+    with contextlib.redirect_stdout(io.StringIO()):  # the run's own lines
+        return interleaved(cfg, d, steps, every, ["tensor", "dataloader"] if tensors else ["dataloader"])
+
+
+def ratio_text(seconds: dict[str, list[float]], baseline: str) -> str:
+    whole, parts = segment_ratio(seconds, baseline)
+    return f"{whole:.3f} ({min(parts):.2f}-{max(parts):.2f})"
+
+
+def step_us(seconds: dict[str, list[float]], every: int) -> dict[str, float]:
+    """Each loop's CPU (wall) microseconds per optimizer step over the timed segments."""
+    return {name: sum(values) / (len(values) * every) * 1e6 for name, values in seconds.items()}
+
+
 def suite(d: dist.Dist, args) -> None:
-    """One table row per SUITE model and K: trainkit / the tensor-slicing loop, and / the DataLoader loop."""
+    """One table row per SUITE model and K: trainkit / the tensor-slicing loop, and / the DataLoader loop. Each row
+    runs about --seconds: its steps from a quick timing of the tensor loop's (at most --steps)."""
     lines = [
-        "| model | K | trainkit / tensor-slicing loop (quartiles) | trainkit / DataLoader loop | tensor loop's step |",
-        "|---|---|---|---|---:|",
+        "| model | K | trainkit / tensor-slicing loop (8 parts) | trainkit / DataLoader loop | tensor loop's step "
+        "| steps |",
+        "|---|---|---|---|---:|---:|",
     ]
     for name, model in SUITE.items():
         for K in (1, 4):
-            cfg = composed(args.steps, [*model, f"accumulation.steps={K}", *args.overrides])
-            with contextlib.redirect_stdout(io.StringIO()):  # the runs' own lines
-                rates = compare(cfg, d, args)
-            step_ms = K * cfg.data.batch_size * d.world_size / statistics.median(rates["tensor"]) * 1e3
+            cfg = composed(100, [*model, f"accumulation.steps={K}", *args.overrides])
+            probe = tensor_steps(cfg, d, 100)
+            advance(probe, 10)
+            started = clock()
+            advance(probe, 20)
+            steps = min(args.steps, max(40 * args.every, int(args.seconds / ((clock() - started) / 20 * 3.5))))
+            steps -= steps % args.every
+            cfg = composed(steps, [*model, f"accumulation.steps={K}", *args.overrides])
+            seconds = measure(cfg, d, steps, args.every)
             lines.append(
-                f"| {name} | {K} | {ratio_line(rates, 'tensor', True)} | {ratio_line(rates, 'dataloader', True)} "
-                f"| {step_ms:.2f} ms |"
+                f"| {name} | {K} | {ratio_text(seconds, 'tensor')} | {ratio_text(seconds, 'dataloader')} "
+                f"| {step_us(seconds, args.every)['tensor'] / 1e3:.2f} ms | {steps} |"
             )
             d.print0(lines[-1])
     d.print0("\n".join(["", *lines]))
 
 
+def profiled(run, first: int, last: int) -> dict[str, int]:
+    """{function: calls} of Python functions called between the first-th and the last-th zero_grad of `run()`."""
+    import cProfile
+    import pstats
+
+    profile, done, original = cProfile.Profile(), 0, torch.optim.Optimizer.zero_grad
+
+    def zero_grad(self, *args, **kwargs):
+        nonlocal done
+        original(self, *args, **kwargs)
+        done += 1
+        if done == first:
+            profile.enable()
+        elif done == last:
+            profile.disable()
+
+    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run()
+    finally:
+        torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return {f"{name} ({Path(file).name}:{line})": calls for (file, line, name), (_, calls, *_) in stats.items()}
+
+
+def call_counts(cfg, d: dist.Dist, steps: int) -> list[tuple[str, float, float]]:
+    """(function, calls per step in the tensor loop, in trainkit) of the Python functions whose counts differ, over
+    the same steps of each (the second quarter of a run of `steps`), and of all: cProfile counts the same anywhere."""
+    first, last = steps // 4, steps // 2
+    tensor = profiled(lambda: advance(tensor_steps(cfg, d, steps), last), first, last)
+    ours = profiled(lambda: trainkit_loop(cfg, d, steps), first, last)
+    per_step = {f: (tensor.get(f, 0) / (last - first), ours.get(f, 0) / (last - first)) for f in {*tensor, *ours}}
+    rows = [(f, a, b) for f, (a, b) in per_step.items() if abs(a - b) >= 0.05 and "bench_train.py" not in f]
+    rows.sort(key=lambda row: row[1] - row[2])
+    return [("all", sum(a for a, _ in per_step.values()), sum(b for _, b in per_step.values())), *rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=20, help="alternations of the loops that count")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per loop and block")
-    parser.add_argument("--warmup-blocks", type=int, default=1, help="alternations run first and dropped")
+    parser.add_argument(
+        "--steps", type=int, default=3000, help="trainkit's optimizer steps (the first quarter untimed)"
+    )
+    parser.add_argument("--every", type=int, default=10, help="steps per segment, each loop in turn")
     parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true, once")
     parser.add_argument("--suite", action="store_true", help="the table: mlp, cnn, conv1d at K=1 and K=4 (+ overrides)")
-    parser.add_argument("--breakdown", action="store_true", help="also the CPU time of each hook train() calls")
+    parser.add_argument("--seconds", type=float, default=20, help="--suite: about this long a row")
+    parser.add_argument("--breakdown", action="store_true", help="also calls per step and the hooks' CPU time")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for all loops (default 1)")
     parser.add_argument(
         "--clock", choices=["auto", *CLOCKS], default="auto", help="process CPU time or wall time; auto: cpu on a CPU"
     )
     parser.add_argument("--pin", action="store_true", help="each process on one core (rank r on core r)")
-    parser.add_argument("--verbose", action="store_true", help="print every block's rates")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.every < 1 or args.steps < 8 * args.every:
+        parser.error(f"--every must be >= 1 and --steps at least 8 segments (8 x --every = {8 * args.every})")
+    args.steps -= args.steps % args.every
     cfg = composed(args.steps, args.overrides)
     torch.set_num_threads(args.threads)
     d = dist.init("auto", cfg.trainer.device)
@@ -479,40 +488,39 @@ def main() -> None:
     d.print0(
         f"{cfg.model._target_} on {cfg.data.name}, batch {cfg.data.batch_size}, {cfg.trainer.precision}, "
         f"{d.device}, {torch.get_num_threads()} threads, {d.world_size} rank(s), "
-        f"K={config.accumulation_steps(cfg, d.world_size)}; {args.warmup_blocks} + {args.blocks} blocks of "
-        f"{args.steps} steps each, timed over their second half by {args.clock} time"
+        f"K={config.accumulation_steps(cfg, d.world_size)}; {args.steps} steps, segments of {args.every} "
+        f"interleaved, the last {args.steps - args.steps // 4 // args.every * args.every} timed by {args.clock} time"
     )
     if args.suite:
         suite(d, args)
         dist.teardown(finished=True)
         return
-    rates = compare(cfg, d, args)
-    for name, values in rates.items():
-        d.print0(
-            f"{name:<12} {statistics.median(values):>10,.0f} samples/s of {args.clock} time "
-            f"(median of {len(values)} blocks)"
-        )
-    if "tensor" in rates:
-        d.print0(f"ratio trainkit / tensor-slicing loop: {ratio_line(rates, 'tensor')}")
-    d.print0(f"ratio trainkit / DataLoader loop: {ratio_line(rates, 'dataloader')}")
+    seconds = measure(cfg, d, args.steps, args.every)
+    per_step = step_us(seconds, args.every)
+    for name, us in per_step.items():
+        d.print0(f"{name:<12} {us:>10,.1f} us per step of {args.clock} time")
+    if "tensor" in seconds:
+        d.print0(f"ratio trainkit / tensor-slicing loop: {ratio_text(seconds, 'tensor')}")
+    d.print0(f"ratio trainkit / DataLoader loop: {ratio_text(seconds, 'dataloader')}")
     if args.breakdown:
-        baseline = "tensor" if "tensor" in rates else "dataloader"
-        samples = config.accumulation_steps(cfg, d.world_size) * cfg.data.batch_size * d.world_size
-        step_us = {name: samples / statistics.median(values) * 1e6 for name, values in rates.items()}
-        d.print0("\n" + step_lines(step_times(cfg, d, args), args.clock))
+        baseline = "tensor" if "tensor" in seconds else "dataloader"
+        if baseline == "tensor" and not d.distributed:
+            d.print0("\n| Python calls per step (cProfile) | tensor loop | trainkit |\n|---|---:|---:|")
+            for function, plain, ours in call_counts(cfg, d, args.steps):
+                d.print0(f"| {function} | {plain:.2f} | {ours:.2f} |")
         hooks = breakdown(cfg, d, args.steps)
+        base_us = per_step[baseline]
         d.print0(
             f"\n| per optimizer step ({args.clock} time) | us | % of the {baseline} loop's step |\n|---|---:|---:|\n"
-            + "".join(f"| {what} | {us:.1f} | {100 * us / step_us[baseline]:.1f} |\n" for what, us in hooks)
-            + f"| all hooks | {sum(us for _, us in hooks):.1f} | "
-            f"{100 * sum(us for _, us in hooks) / step_us[baseline]:.1f} |\n"
-            f"| trainkit's step less the {baseline} loop's (medians) | {step_us['trainkit'] - step_us[baseline]:.1f} | "
-            f"{100 * (step_us['trainkit'] / step_us[baseline] - 1):.1f} |\n"
-            f"| the {baseline} loop's step | {step_us[baseline]:.1f} | 100 |"
+            + "".join(f"| {what} | {us:.1f} | {100 * us / base_us:.1f} |\n" for what, us in hooks)
+            + f"| all hooks | {sum(us for _, us in hooks):.1f} | {100 * sum(us for _, us in hooks) / base_us:.1f} |\n"
+            f"| trainkit's step less the {baseline} loop's | {per_step['trainkit'] - base_us:.1f} | "
+            f"{100 * (per_step['trainkit'] / base_us - 1):.1f} |\n"
+            f"| the {baseline} loop's step | {base_us:.1f} | 100 |"
         )
     if args.compile:
+        eager = trainkit_loop(cfg, d, args.steps)
         compiled = trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps)
-        eager = statistics.median(rates["trainkit"])
         d.print0(f"trainkit, trainer.compile=true {compiled:>10,.0f} samples/s: {compiled / eager:.2f}x eager")
     dist.teardown(finished=True)
 

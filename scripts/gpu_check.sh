@@ -117,15 +117,15 @@ fi
 
 for setup in "data=fake model=resnet18 data.batch_size=128" "data=fake model=cnn" "+experiment=pydoc_gpt" ""; do
     # shellcheck disable=SC2086  # the overrides are words
-    ratio=$($PY scripts/bench_train.py --blocks 6 trainer.device=cuda trainer.precision=bf16 $setup 2>&1 |
+    ratio=$($PY scripts/bench_train.py --steps 1200 trainer.device=cuda trainer.precision=bf16 $setup 2>&1 |
         grep -E "^(tensor|dataloader|trainkit) +[0-9]|^ratio" | tr -s ' ' | paste -sd ';')
     row "overhead vs plain loops, bf16 ${setup:-default mlp}" "${ratio:-FAILED}"
 done
 # The fixed cost per step where it is the step (issue 36): trainkit against the fastest plain loop (tensors on
 # the GPU, slices) on the three small models at K=1 and K=4, eager, then with CUDA graphs (reduce-overhead).
-suite=$($PY scripts/bench_train.py --suite --blocks 6 --steps 300 trainer.device=cuda 2>&1 | grep -E "^\| [a-z]")
+suite=$($PY scripts/bench_train.py --suite --seconds 10 trainer.device=cuda 2>&1 | grep -E "^\| [a-z]")
 row "fixed cost: trainkit / tensor-slicing loop, mlp cnn conv1d x K=1,4 (eager)" "$(paste -sd ';' <<< "${suite:-FAILED}")"
-graphs=$($PY scripts/bench_train.py --blocks 3 --steps 300 trainer.device=cuda trainer.compile=reduce-overhead 2>&1 |
+graphs=$($PY scripts/bench_train.py --steps 1200 trainer.device=cuda trainer.compile=reduce-overhead 2>&1 |
     grep -E "^(tensor|trainkit) +[0-9]|^ratio trainkit / tensor" | tr -s ' ' | paste -sd ';')
 row "trainkit trainer.compile=reduce-overhead vs the eager tensor loop, mlp" "${graphs:-FAILED}"
 

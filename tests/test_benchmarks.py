@@ -5,10 +5,15 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
+import torch
 
 from helpers import ROOT
+from trainkit.dist import Dist
+
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -52,9 +57,10 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_bench_train_runs_both_loops_single_and_ddp(launcher):
-    """A quick run of each: the three loops train and both ratios are printed (its value means nothing here)."""
-    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "--warmup-blocks", "0", "data.batch_size=8"]
+def test_bench_train_runs_the_three_loops_interleaved_single_and_ddp(launcher):
+    """A quick run of each: the three loops train interleaved and both ratios are printed (their values mean
+    nothing here); under torchrun the ranks' DDP loops and trainkit's interleave the same way (no hang)."""
+    script = ["scripts/bench_train.py", "--steps", "80", "--every", "5", "data.batch_size=8"]
     if launcher == "torchrun":
         script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
     proc = run_script(*script)
@@ -64,13 +70,39 @@ def test_bench_train_runs_both_loops_single_and_ddp(launcher):
         assert proc.stdout.count(f"ratio trainkit / {baseline}:") == 1, proc.stdout
 
 
+def test_interleaved_segments_cover_the_same_steps_of_each_loop():
+    """bench_train.interleaved: after the untimed quarter, every segment of --every trainkit steps is followed by
+    --every steps of each plain loop, so each loop's timed steps are the same ones (the same samples)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_train
+
+    steps, every, calls = 60, 5, {"trainkit": 0, "tensor": 0}
+    plain = bench_train.PLAIN["tensor"]
+
+    def counted(cfg, d, total):
+        for samples in plain(cfg, d, total):
+            calls["tensor"] += 1
+            yield samples
+
+    cfg = bench_train.composed(steps, ["data.batch_size=8", "trainer.test=false"])
+    with mock.patch.dict(bench_train.PLAIN, {"tensor": counted}):
+        seconds = bench_train.interleaved(cfg, CPU, steps, every, ["tensor"])
+    warm = steps // 4 // every * every
+    assert len(seconds["trainkit"]) == len(seconds["tensor"]) == (steps - warm) // every
+    assert calls["tensor"] == steps  # its warm quarter untimed, then as many steps as trainkit's, segment by segment
+    assert all(t > 0 for t in seconds["trainkit"] + seconds["tensor"])
+    whole, parts = bench_train.segment_ratio({"trainkit": [1.0] * 8, "tensor": [2.0] * 4 + [1.0] * 4}, "tensor")
+    assert whole == 1.5 and parts == [2.0] * 4 + [1.0] * 4
+
+
 @pytest.mark.slow
-def test_bench_train_breakdown_prints_single_steps_and_hooks():
-    """--breakdown: the quantiles of single steps of both loops (step, and zero_grad to the forward), then the hooks."""
-    script = ["scripts/bench_train.py", "--steps", "20", "--blocks", "2", "--warmup-blocks", "0", "--breakdown"]
+def test_bench_train_breakdown_prints_calls_and_hooks():
+    """--breakdown: the Python calls per step of the tensor loop and trainkit, then the hooks' CPU time."""
+    script = ["scripts/bench_train.py", "--steps", "80", "--every", "5", "--breakdown"]
     out = run_script(*script, "data.batch_size=8").stdout
-    for line in ("| step, 10th percentile |", "| to forward, 50th percentile |", "| rng: seed_step", "| all hooks |"):
+    for line in ("| Python calls per step (cProfile) |", "| all |", "| rng: seed_step", "| all hooks |"):
         assert out.count(line) == 1, out
+    assert "| bare_step (train.py:" in out  # trainkit's own step: a call per step the tensor loop does not make
 
 
 def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():

@@ -38,7 +38,7 @@ from trainkit.profile import Profiler
 from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
-from trainkit.summary import describe
+from trainkit.summary import announce, describe
 
 
 @dataclass
@@ -153,34 +153,6 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
     s.meter.add_step(grad_norm, windows.samples[window], items, skipped=outcome != "step")
 
 
-def announce(
-    cfg: DictConfig,
-    d: dist.Dist,
-    mode: str,
-    splits: tuple,
-    windows: TrainWindows,
-    total_steps: int,
-    run_dir: Path,
-    no_test: str | None,
-) -> None:
-    """Rank 0's first lines: the allocation, the model, the data and the batch arithmetic."""
-    model_name = cfg.model.get("name") or cfg.model._target_.split(".")[-1]  # model=timm: its model.name
-    train_set, val_set, test_set = splits
-    layout, steps = windows.layout, windows.layout.windows(cfg.data.drop_last)
-    d.print0(
-        f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
-        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
-        f"precision={cfg.trainer.precision}\n"
-        f"global batch {layout.global_batch} = {d.world_size} ranks x {layout.batch_size} micro-batch "
-        f"x {layout.steps} accumulation ({cfg.accumulation.strategy}) | {steps} steps/epoch, "
-        f"{total_steps} steps, {math.ceil(total_steps / steps)} epochs | run dir {run_dir}"
-    )
-    if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
-        d.print0(summary)
-    if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
-        d.print0(no_test)
-
-
 def build_step(
     cfg: DictConfig, d: dist.Dist, mode: str, net: torch.nn.Module, task, auto: AutoBatch, total_steps: int
 ) -> StepParts:
@@ -206,41 +178,6 @@ def build_step(
     parameters = list(model.parameters())
     parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
     return StepParts(*parts, *knobs)
-
-
-def resume(
-    resumed: dict | None,
-    s: StepParts,
-    checkpointer,
-    selection: Selection,
-    val_batches: EvalBatches,
-    windows: TrainWindows,
-    identity: dict,
-    settings: dict,
-    total_steps: int,
-) -> dict | None:
-    """Where training starts: {step, epoch, window} of the next optimizer step; from a checkpoint, everything the
-    uninterrupted run would have had, down to every rank's RNG state. None: the checkpoint has nothing to train."""
-    if not resumed:
-        return {"step": 0, "epoch": 0, "window": 0}
-    checkpoint.check_compatible(resumed["identity"], identity)
-    if note := selection.load_state_dict(resumed.get("selection")):
-        s.d.print0(f"resume: {note}")
-    at = resumed["progress"]["step"]
-    if selection.stopped or at > total_steps:  # a run that stopped early trains no more (PL #8278)
-        why = f"is at step {at}, past this run's {total_steps} steps (trainer.max_steps / trainer.epochs)"
-        s.d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(at) if selection.stopped else why}")
-        return None
-    checkpoint.restore(resumed, *s.stateful, s.d)
-    checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
-    s.ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights
-    s.auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
-    val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
-    windows.fit()
-    s.d.print0(f"resumed from {resumed['path']} at step {resumed['progress']['step']}")
-    if changed := checkpoint.changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
-        s.d.print0(f"resume: applying the changed settings {', '.join(changed)}")
-    return resumed["progress"]
 
 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
@@ -299,14 +236,16 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     settings = checkpoint.run_settings(cfg)  # what a resume may change
     resumed = checkpointer.load(cfg.checkpoint.resume)
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
-    start = resume(resumed, parts, checkpointer, selection, val_batches, windows, identity, settings, total_steps)
+    start = checkpoint.resume(
+        resumed, parts, checkpointer, selection, val_batches, windows, identity, settings, total_steps
+    )
     if start is None:  # a run that stopped early, or is past this run's steps: nothing to train
         return selection.best  # None without a monitor
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
 
-    announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)
+    announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*
     evaluation = functools.partial(evaluate_averaged, unwrap(model), ema, val_batches, d, autocast, task)
 

@@ -539,3 +539,40 @@ def full_state_dict(model) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(model, options=options)  # type: ignore[arg-type]  # an nn.Module too
     return model.state_dict()
+
+
+def resume(
+    resumed: dict | None,
+    s,
+    checkpointer,
+    selection,
+    val_batches,
+    windows,
+    identity: dict,
+    settings: dict,
+    total_steps: int,
+) -> dict | None:
+    """Where training starts: {step, epoch, window} of the next optimizer step; from a checkpoint, everything the
+    uninterrupted run would have had, down to every rank's RNG state. None: the checkpoint has nothing to train.
+    s: train.py's StepParts; selection, val_batches, windows: the run's Selection, EvalBatches and TrainWindows."""
+    if not resumed:
+        return {"step": 0, "epoch": 0, "window": 0}
+    check_compatible(resumed["identity"], identity)
+    if note := selection.load_state_dict(resumed.get("selection")):
+        s.d.print0(f"resume: {note}")
+    at = resumed["progress"]["step"]
+    if selection.stopped or at > total_steps:  # a run that stopped early trains no more (PL #8278)
+        why = f"is at step {at}, past this run's {total_steps} steps (trainer.max_steps / trainer.epochs)"
+        s.d.print0(f"nothing to train: {resumed['path']} {selection.stopped_at(at) if selection.stopped else why}")
+        return None
+    model, optimizer, scheduler, scaler, meter = s.stateful
+    restore(resumed, model, optimizer, scheduler, scaler, meter, s.d)
+    checkpointer.adopt_best(Path(resumed["path"]), selection.best_step)  # resumed from another run dir
+    s.ema.load_state_dict(resumed.get("ema"))  # none in the checkpoint: the average starts from the resumed weights
+    s.auto.load_state_dict(resumed.get("autobatch"))  # auto: start at the micro-batch found before
+    val_batches.load_state_dict(resumed.get("autobatch"))  # and the evaluation's
+    windows.fit()
+    s.d.print0(f"resumed from {resumed['path']} at step {resumed['progress']['step']}")
+    if changed := changes(resumed.get("settings", {}), settings, ("optim.", "sched.", "trainer.")):
+        s.d.print0(f"resume: applying the changed settings {', '.join(changed)}")
+    return resumed["progress"]

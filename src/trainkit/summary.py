@@ -23,9 +23,11 @@ of variable-length sequences (data=addition): the FLOPs of dataset[0]'s length, 
 """
 
 import contextlib
+import math
 import random
 import resource
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import flop_counter
 
+from trainkit import heldout
 from trainkit.batch import to_device, unpack
 from trainkit.dist import Dist
-from trainkit.loading import collate_fn
+from trainkit.loading import TrainWindows, collate_fn
 
 # Dense peaks in TFLOP/s (no sparsity) by a substring of torch.cuda.get_device_name(), first match
 # wins: bf16/fp16 tensor cores, and fp32 without TF32 (torch's matmul default). The vendors' data sheets.
@@ -209,3 +212,31 @@ def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Effici
             lines.append(f"mfu against {name}'s dense {precision} peak {peak / 1e12:g} TFLOP/s per device")
     d.print0("\n".join(lines))
     return Efficiency(d, train or None, peak, facts)
+
+
+def announce(
+    cfg,
+    d: Dist,
+    mode: str,
+    splits: tuple,
+    windows: TrainWindows,
+    total_steps: int,
+    run_dir: Path,
+    no_test: str | None,
+) -> None:
+    """Rank 0's first lines: the allocation, the model, the data and the batch arithmetic."""
+    model_name = cfg.model.get("name") or cfg.model._target_.split(".")[-1]  # model=timm: its model.name
+    train_set, val_set, test_set = splits
+    layout, steps = windows.layout, windows.layout.windows(cfg.data.drop_last)
+    d.print0(
+        f"trainkit | {mode} x{d.world_size} on {d.device} | model={model_name} "
+        f"data={cfg.data.name} ({len(train_set)} train / {len(val_set)} val / {heldout.size(test_set)}) | "
+        f"precision={cfg.trainer.precision}\n"
+        f"global batch {layout.global_batch} = {d.world_size} ranks x {layout.batch_size} micro-batch "
+        f"x {layout.steps} accumulation ({cfg.accumulation.strategy}) | {steps} steps/epoch, "
+        f"{total_steps} steps, {math.ceil(total_steps / steps)} epochs | run dir {run_dir}"
+    )
+    if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
+        d.print0(summary)
+    if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains
+        d.print0(no_test)

@@ -505,7 +505,7 @@ def main() -> None:
     if args.breakdown:
         baseline = "tensor" if "tensor" in seconds else "dataloader"
         if baseline == "tensor" and not d.distributed:
-            d.print0("\n| Python calls per step (cProfile) | tensor loop | trainkit |\n|---|---:|---:|")
+            d.print0("\n| function calls per step (cProfile) | tensor loop | trainkit |\n|---|---:|---:|")
             for function, plain, ours in call_counts(cfg, d, args.steps):
                 d.print0(f"| {function} | {plain:.2f} | {ours:.2f} |")
         hooks = breakdown(cfg, d, args.steps)

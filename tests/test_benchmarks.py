@@ -100,7 +100,7 @@ def test_bench_train_breakdown_prints_calls_and_hooks():
     """--breakdown: the Python calls per step of the tensor loop and trainkit, then the hooks' CPU time."""
     script = ["scripts/bench_train.py", "--steps", "80", "--every", "5", "--breakdown"]
     out = run_script(*script, "data.batch_size=8").stdout
-    for line in ("| Python calls per step (cProfile) |", "| all |", "| rng: seed_step", "| all hooks |"):
+    for line in ("| function calls per step (cProfile) |", "| all |", "| rng: seed_step", "| all hooks |"):
         assert out.count(line) == 1, out
     assert "| bare_step (train.py:" in out  # trainkit's own step: a call per step the tensor loop does not make
 

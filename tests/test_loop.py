@@ -325,6 +325,8 @@ def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
     for step in (1, 30):
         x, y = train_set[order[(step - 1) * 48 : step * 48]]
         model.zero_grad()
-        F.cross_entropy(model(x), y).backward()  # the mean over the window's samples
+        loss = F.cross_entropy(model(x), y)  # the mean over the window's samples
+        loss.backward()
         norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
         assert rows[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-5), step
+        assert rows[step - 1]["loss"] == pytest.approx(loss.item(), rel=1e-5), step  # each step's losses reach the row

@@ -295,7 +295,7 @@ class TrainWindows:
         self.batches = self.loader.epoch(epoch, start=first_window * self.layout.steps)
 
     def fetch(self, window: int) -> list:
-        return list(itertools.islice(self.batches, self.micro_steps[window]))  # (a list comprehension: one more call)
+        return list(itertools.islice(self.batches, self.micro_steps[window]))  # islice: no comprehension call
 
     def refit(self, window: int) -> None:
         self.fit()

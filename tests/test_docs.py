@@ -1,6 +1,7 @@
 """The README and docs/ pages: every relative link reaches a file, every #anchor a heading, every page is linked,
 every "rule N" and docs/<page>.md#anchor cited in the tree exists, and every command block names what exists."""
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -47,6 +48,7 @@ def commands(path: Path) -> list[str]:
     return out
 
 
+@functools.cache
 def anchors(path: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation but - and _ dropped, spaces to -, repeats numbered."""
     seen: dict[str, int] = {}
@@ -66,7 +68,10 @@ def stale_citations(files: list[Path], root: Path = ROOT) -> list[str]:
     """Each "rule N" that design.md lacks and each docs/<page>.md#anchor whose page or heading is missing."""
     known, broken = rules(root / "docs" / "design.md"), []
     for path in files:
-        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        text = path.read_text(errors="replace")
+        if ".md#" not in text and not RULE.search(text):
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
             where = f"{path.relative_to(root)}:{i}"
             for group in RULE.findall(line):
                 broken += [

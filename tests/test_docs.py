@@ -214,3 +214,12 @@ def test_every_command_block_names_scripts_targets_and_options_that_exist():
             except Exception as e:  # a key that is not in the tree, a value of the wrong type
                 problems.append(f"{'; '.join(wheres)} ({type(e).__name__}: {str(e).splitlines()[0]})")
     assert not problems, "\n".join(problems)
+
+
+def test_the_layout_in_design_md_names_every_engine_module_and_no_missing_file():
+    block = DESIGN.read_text().partition("## Layout")[2].split("```")[1]
+    named = set(re.findall(r"\b(\w+\.(?:py|sh))\b", block))
+    files = {p.name for pattern in ("src/**/*.py", "scripts/*") for p in ROOT.glob(pattern)}
+    engine = {p.name for p in (ROOT / "src" / "trainkit").glob("*.py")} - {"__init__.py"}
+    assert not named - files, f"design.md's layout names files that do not exist: {sorted(named - files)}"
+    assert not engine - named, f"design.md's layout lacks engine modules: {sorted(engine - named)}"

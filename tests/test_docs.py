@@ -14,6 +14,8 @@ DESIGN = ROOT / "docs" / "design.md"
 CITING = ["src/**/*.py", "scripts/*", "tests/*.py", "conf/**/*.yaml", "docs/*.md", "README.md", "Makefile", ".ci/*"]
 RULE = re.compile(r"\brules? (\d+(?:(?:, | and )\d+)*)", re.IGNORECASE)
 PAGE_ANCHOR = re.compile(r"(?<![\w/.])((?:\.\./)?(?:docs/)?[\w-]+\.md)#([\w-]+)")
+# A README section named in words: README: Launching, README's "Making it yours", README.md (... "The config tree")
+README_SECTION = re.compile(r"README(?:\.md|'s)?:? \(?\"?([A-Z][\w ,'-]+)|README\.md [^\"\n]*\(\"([^\"]+)\"\)")
 
 
 def prose(path: Path) -> list[str]:
@@ -59,17 +61,32 @@ def anchors(path: Path) -> set[str]:
     return {slug if n == 0 else f"{slug}-{k}" for slug, n in seen.items() for k in range(n + 1)} | set(seen)
 
 
+def headings(path: Path) -> list[str]:
+    return [m.group(1).strip() for line in prose(path) if (m := re.match(r"#{1,6} (.*)", line))]
+
+
 def rules(design: Path = DESIGN) -> set[int]:
     """The numbers of design.md's rules: its "### Rule N: ..." headings."""
     return {int(n) for n in re.findall(r"^### Rule (\d+):", design.read_text(), re.MULTILINE)}
 
 
+def engine_names(root: Path) -> dict[str, str]:
+    """trainkit's modules and rooms (the room packages by their __init__.py), each with its source. `dist` and
+    `models` are left out: the code also names torch.distributed `dist` and uses tokenizers' `models`."""
+    package = root / "src" / "trainkit"
+    found = {p.stem: p for p in package.glob("*.py")} | {p.parent.name: p for p in package.glob("*/__init__.py")}
+    return {name: path.read_text() for name, path in found.items() if name not in ("dist", "models", "__init__")}
+
+
 def stale_citations(files: list[Path], root: Path = ROOT) -> list[str]:
-    """Each "rule N" that design.md lacks and each docs/<page>.md#anchor whose page or heading is missing."""
+    """Each "rule N" that design.md lacks, each docs/<page>.md#anchor whose page or heading is missing, each README
+    section named in words that it lacks, and each `module.Class` of trainkit's that the module does not define."""
     known, broken = rules(root / "docs" / "design.md"), []
+    modules = engine_names(root)
+    qualified = re.compile(r"(?<![\w.])(?:trainkit\.)?(" + "|".join(sorted(modules)) + r")\.([A-Z]\w*)\b")
     for path in files:
         text = path.read_text(errors="replace")
-        if ".md#" not in text and not RULE.search(text):
+        if ".md#" not in text and "README" not in text and not RULE.search(text) and not qualified.search(text):
             continue
         for i, line in enumerate(text.splitlines(), 1):
             where = f"{path.relative_to(root)}:{i}"
@@ -79,6 +96,14 @@ def stale_citations(files: list[Path], root: Path = ROOT) -> list[str]:
                     for n in re.findall(r"\d+", group)
                     if int(n) not in known
                 ]
+            for words in (a or b for a, b in README_SECTION.findall(line)):
+                if not any(h.startswith(words.strip()) for h in headings(root / "README.md")):
+                    broken.append(f"{where}: README section {words.strip()!r} (no such heading)")
+            for module, name in qualified.findall(line):
+                if not re.search(
+                    rf"^(class|def) {name}\b|^{name}\s*[:=]|^from .* import .*\b{name}\b", modules[module], re.M
+                ):
+                    broken.append(f"{where}: {module}.{name} ({module} defines no {name})")
             for page, anchor in PAGE_ANCHOR.findall(line):
                 name = page.rpartition("/")[2]
                 dest = root / (name if name == "README.md" else f"docs/{name}")
@@ -128,11 +153,20 @@ def test_a_stale_citation_is_caught(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text("# Design\n\n### Rule 1: one\n\n### Rule 2: two\n")
     (tmp_path / "docs" / "x.md").write_text("# X\n\n## A heading\n")
+    (tmp_path / "README.md").write_text("# T\n\n## Launching\n")
+    (tmp_path / "src" / "trainkit" / "data").mkdir(parents=True)
+    (tmp_path / "src" / "trainkit" / "loading.py").write_text("class TrainBatches:\n    pass\n")
+    (tmp_path / "src" / "trainkit" / "data" / "__init__.py").write_text("")
     code = tmp_path / "code.py"
-    code.write_text("# rules 1, 2 hold (docs/x.md#a-heading)\n# rule 3; docs/x.md#gone; docs/y.md#a; rules 2 and 7\n")
+    code.write_text(
+        "# rules 1, 2 hold (docs/x.md#a-heading; README: Launching; loading.TrainBatches)\n"
+        "# rule 3; docs/x.md#gone; docs/y.md#a; rules 2 and 7; README: Searching; data.TrainBatches\n"
+    )
     assert stale_citations([code], tmp_path) == [
         "code.py:2: rule 3 (design.md has no such rule)",
         "code.py:2: rule 7 (design.md has no such rule)",
+        "code.py:2: README section 'Searching' (no such heading)",
+        "code.py:2: data.TrainBatches (data defines no TrainBatches)",
         "code.py:2: docs/x.md#gone (no such heading)",
         "code.py:2: docs/y.md#a (no such page)",
     ]

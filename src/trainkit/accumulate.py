@@ -19,7 +19,7 @@ class EpochLayout:
     padded to a multiple of W. Local micro-batch j of all ranks together therefore covers the
     global positions [j*b*W, (j+1)*b*W), and optimizer step s covers exactly [s*G, (s+1)*G) with
     G = W*K*b: the same samples for every (W, K, b) with the same product. Positions >= N are
-    padding repeats: data.TrainBatches leaves them out of the micro-batches. The last window of
+    padding repeats: loading.TrainBatches leaves them out of the micro-batches. The last window of
     an epoch may be short (fewer micro-batches, fewer samples); `window_samples` counts its real
     samples so its gradient is their exact mean (Lightning and Accelerate divide it by K
     instead). drop_last drops that window.

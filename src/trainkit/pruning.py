@@ -2,7 +2,7 @@
 
 At each evaluation the job reports the monitored value (already all-reduced: the same float on every
 rank) at its optimizer step to its trial, and every rank asks the pruner; the ranks then agree through
-one all-reduce (DESIGN rule 18): pruned when any rank's pruner says so. Each rank asking alone and
+one all-reduce (rule 18, docs/design.md): pruned when any rank's pruner says so. Each rank asking alone and
 stopping alone hangs the others at their next collective (optuna-integration #183, #223).
 
 Rank 0 alone writes the report; every rank's pruner sees the trial with this step's value in it

@@ -6,7 +6,7 @@ Why this shape. A cluster ends a job with a signal (SLURM: SIGTERM at the time l
 `--signal=USR1@90` some time before; submitit: SIGUSR2 before the limit, then it requeues the job),
 sometimes to one rank alone or to the ranks at different moments. A handler can only set a flag: the
 signal lands mid-step, and half a step cannot be saved. The loop asks `due()` after every optimizer
-step, and the ranks agree through one all-reduced flag (DESIGN rule 18): a rank that stopped alone
+step, and the ranks agree through one all-reduced flag (rule 18, docs/design.md): a rank that stopped alone
 would hang the others in their next collective. They check together every PERIOD (a quarter second)
 of training (see Stopper: one all-reduce a step would cost a fifth of a small model's step). A time
 budget counts from this process's start: a resumed job gets a budget of its own, as a SLURM time

@@ -36,7 +36,7 @@ class DigitsViews(Dataset):
     """Two random views of each image: a random affine map (rotated by up to `rotation` degrees, scaled by a
     factor in [1 - scale, 1 + scale], shifted by up to `shift` pixels each way; bilinear, zero outside), intensity
     scaled by a factor in [1 - contrast, 1 + contrast], Gaussian noise of `noise`. Rotation and scale are what
-    make the encoder's embedding better than the pixels for kNN (README: Contrastive learning); a shift alone
+    make the encoder's embedding better than the pixels for kNN (docs/contrastive.md); a shift alone
     teaches little beyond them. The draws come from torch's generator, which SeededBatches seeds per sample from
     (seed, epoch, index): the same views at any allocation."""
 

@@ -362,3 +362,25 @@ def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
         norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
         assert rows[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-5), step
         assert rows[step - 1]["loss"] == pytest.approx(loss.item(), rel=1e-5), step  # each step's losses reach the row
+
+
+def test_the_bare_step_trains_what_the_general_step_trains_bit_for_bit(tmp_path):
+    """train.bare_step is optimizer_step less the calls that do nothing in one process without fp16, skips or
+    autobatch (StepParts.bare): where both apply, the same weights and rows, bit for bit. A BatchNorm model with
+    dropout (seed_step's stream), K=2, clipping that bites, a cosine schedule and AdamW."""
+    import train as entry
+    from helpers import assert_equal, without_timings
+    from helpers import weights as final_weights
+
+    overrides = ["model=cnn", "model.width=8", "model.dropout=0.2", "optim=adamw", "sched=cosine"]
+    overrides += ["sched.warmup_steps=2", "accumulation.steps=2", "data.batch_size=16", "trainer.clip_grad_norm=0.5"]
+    overrides += ["trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3", "trainer.test=false"]
+    steps = {}
+    for name, step in (("bare", entry.bare_step), ("general", entry.optimizer_step)):
+        with mock.patch.object(entry, "bare_step", side_effect=step) as taken:  # parts.bare: the bare step, or not
+            run_in_process(tmp_path / name, *overrides, "checkpoint.every=0")
+        steps[name] = taken.call_count
+    assert steps == {"bare": 6, "general": 6}  # the run is one where the bare step applies
+    assert_equal(final_weights(tmp_path / "bare"), final_weights(tmp_path / "general"), "model.pt")
+    bare, general = ([without_timings(row) for row in metrics_rows(tmp_path / name)] for name in ("bare", "general"))
+    assert bare == general

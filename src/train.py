@@ -262,8 +262,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         logger.summary(efficiency.facts)  # summary.json, W&B's run summary, TensorBoard's text
         # The steps after which there is more to do than train; every step while these need it
         busy = console.bar is not None or profiler.steps is not None or stopper.counts
-        cadence = Cadence(total_steps, log_every, eval_every if validates else 0, cfg.checkpoint.every, each_step=busy)
-        calm_until = cadence.next(step)
+        every = log_every, eval_every if validates else 0, cfg.checkpoint.every
+        cadence = Cadence(total_steps, *every, stopper, each_step=busy, start=step)
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
             windows.epoch(epoch, first_window)  # set_epoch: a new permutation per epoch
@@ -274,37 +274,31 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 lr = parts.optimizer.param_groups[0]["lr"]  # the step's, before the scheduler moves on
                 step_once(parts, windows, window, step)
                 step += 1
-                if step < calm_until and not stopper.received:  # most steps: nothing more to do (early stopping
-                    continue  # and pruning decide at evaluations)
-                calm_until = cadence.next(step)
+                if (due := cadence.after(step)) is None:  # most steps: nothing more to do (early stopping and
+                    continue  # pruning decide at evaluations)
                 console.step(step)
                 profiler.step()  # once per optimizer step (not per micro-batch): its steps are the rows'
-
-                # A signal or the time budget, on any rank: every rank checkpoints this step and stops (one all-reduce).
-                stopping = stopper.due(last=step == total_steps)
-                log_now = step % log_every == 0 or step == total_steps
-                eval_now = validates and (step % eval_every == 0 or step == total_steps)
-                save_now = checkpointer.due(step, total_steps) or stopping is not None
-                if not (log_now or eval_now or save_now):
+                stopping = due.stop  # a signal or the time budget, on any rank: every rank checkpoints and stops
+                if not due:
                     continue
                 parts.guard.check(meter, step)  # on_nonfinite=raise: no row, evaluation or checkpoint sees a NaN
                 row: dict[str, float] = {}
                 best_now = False
-                if eval_now:
+                if due.evaluate:
                     with meter.paused():  # evaluation, rows and checkpoints are not training time (samples/s)
                         if val := evaluation():  # {}: nothing fit
                             best_now = selection.update(val, step)  # val is all-reduced: every rank decides alike
                             val |= selection.row()
                 # Pruned (every rank together: one all-reduce) ends like early stopping: its row and checkpoint
-                pruned = trial is not None and eval_now and bool(val) and trial.prunes(val, step)
+                pruned = trial is not None and due.evaluate and bool(val) and trial.prunes(val, step)
                 stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
-                save_now |= stopped_early
-                if log_now or stopped_early:  # outside paused(): the row's throughput is training time's
+                due.save |= stopped_early
+                if due.log or stopped_early:  # outside paused(): the row's throughput is training time's
                     row |= meter.row() | {"lr": lr, "micro_batch": windows.layout.batch_size}
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
                 with meter.paused():
-                    if eval_now and val:
+                    if due.evaluate and val:
                         row |= val
                         console.val_line(step, total_steps, val)
                     if pruned and trial:
@@ -313,13 +307,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         console.print(f"stopped early at step {step}: {selection.stop_reason()}")
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
-                    if save_now or best_now:
+                    if due.save or best_now:
                         done = window + 1 == steps_per_epoch
                         progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
                         state = checkpoint.snapshot(*parts.stateful, progress, identity, settings, logger.run_id, d)
                         auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
                         state |= {"autobatch": auto_state, "selection": selection.state_dict(), "ema": ema.state_dict()}
-                        if save_now:
+                        if due.save:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it
                             checkpointer.save_best(state)

@@ -231,16 +231,48 @@ def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader(tmp
     assert min(shares[0]) > 0.7 and max(shares[1]) < 0.3, shares
 
 
-def test_the_cadence_names_each_step_that_logs_evaluates_or_saves_and_the_last():
-    """The steps train() does its bookkeeping after (trainkit/cadence.py): multiples of each non-zero interval and
-    the run's last; every step where something needs every step (a live bar, the profiler, a counting Stopper)."""
+class _Signals:
+    """A Stopper's face to the cadence: a signal arrives after step `at`, and due() names it from then on."""
+
+    def __init__(self, at: int | None = None):
+        self.at, self.received, self.step = at, 0, 0
+
+    def due(self, last: bool = False) -> str | None:
+        return "SIGTERM" if self.received else None
+
+
+def test_the_cadence_decides_once_per_step_what_comes_after_it():
+    """What train() does after a step (trainkit/cadence.py), decided in one place: logs at multiples of log_every,
+    evaluations at eval_every's, checkpoints at checkpoint.every's, all three after the run's last step; nothing
+    looked at in between (None), every step where something needs every step (a live bar, the profiler, a counting
+    Stopper); a signal read every step and checkpointed at once."""
     from trainkit.cadence import Cadence
 
-    cadence, events = Cadence(20, 3, 0, 8), [0]  # log_every=3, no evaluation, checkpoint.every=8
-    while events[-1] < 20:
-        events.append(cadence.next(events[-1]))
-    assert events[1:] == [3, 6, 8, 9, 12, 15, 16, 18, 20]
-    assert [Cadence(5, 3, each_step=True).next(step) for step in range(5)] == [1, 2, 3, 4, 5]
+    def decisions(cadence, signals, steps):
+        out = {}
+        for step in range(1, steps + 1):
+            signals.received = signals.received or int(signals.at == step)
+            if (due := cadence.after(step)) is not None:
+                out[step] = "".join(k for k, on in (("l", due.log), ("e", due.evaluate), ("s", due.save)) if on)
+                out[step] += "!" if due.stop else ""
+        return out
+
+    quiet = _Signals()  # log_every=3, eval_every=4, checkpoint.every=8
+    assert decisions(Cadence(20, 3, 4, 8, quiet), quiet, 20) == {
+        3: "l",
+        4: "e",
+        6: "l",
+        8: "es",
+        9: "l",
+        12: "le",
+        15: "l",
+        16: "es",
+        18: "l",
+        20: "les",
+    }
+    assert decisions(Cadence(5, 3, 0, 0, quiet, each_step=True), quiet, 5) == {1: "", 2: "", 3: "l", 4: "", 5: "ls"}
+    signalled = _Signals(at=5)  # arrives in step 5, between two events: saved and stopped at step 5
+    assert decisions(Cadence(20, 10, 0, 0, signalled), signalled, 6) == {5: "s!", 6: "s!"}
 
 
 def test_the_meter_keeps_no_autograd_graph():
@@ -330,3 +362,25 @@ def test_each_steps_gradient_is_the_mean_over_its_windows_samples(tmp_path):
         norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
         assert rows[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-5), step
         assert rows[step - 1]["loss"] == pytest.approx(loss.item(), rel=1e-5), step  # each step's losses reach the row
+
+
+def test_the_bare_step_trains_what_the_general_step_trains_bit_for_bit(tmp_path):
+    """train.bare_step is optimizer_step less the calls that do nothing in one process without fp16, skips or
+    autobatch (StepParts.bare): where both apply, the same weights and rows, bit for bit. A BatchNorm model with
+    dropout (seed_step's stream), K=2, clipping that bites, a cosine schedule and AdamW."""
+    import train as entry
+    from helpers import assert_equal, without_timings
+    from helpers import weights as final_weights
+
+    overrides = ["model=cnn", "model.width=8", "model.dropout=0.2", "optim=adamw", "sched=cosine"]
+    overrides += ["sched.warmup_steps=2", "accumulation.steps=2", "data.batch_size=16", "trainer.clip_grad_norm=0.5"]
+    overrides += ["trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3", "trainer.test=false"]
+    steps = {}
+    for name, step in (("bare", entry.bare_step), ("general", entry.optimizer_step)):
+        with mock.patch.object(entry, "bare_step", side_effect=step) as taken:  # parts.bare: the bare step, or not
+            run_in_process(tmp_path / name, *overrides, "checkpoint.every=0")
+        steps[name] = taken.call_count
+    assert steps == {"bare": 6, "general": 6}  # the run is one where the bare step applies
+    assert_equal(final_weights(tmp_path / "bare"), final_weights(tmp_path / "general"), "model.pt")
+    bare, general = ([without_timings(row) for row in metrics_rows(tmp_path / name)] for name in ("bare", "general"))
+    assert bare == general

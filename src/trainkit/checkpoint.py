@@ -69,9 +69,6 @@ class Checkpointer:
         self.directory, self.every, self.keep, self.d, self.sharded = Path(directory), every, keep, d, sharded
         self.unreadable: set[str] = set()  # names load() skipped as damaged
 
-    def due(self, step: int, last_step: int) -> bool:
-        return step == last_step or (self.every > 0 and step % self.every == 0)
-
     def complete(self) -> list[Path]:
         """Complete checkpoints (files and DCP directories), oldest first."""
         return complete(self.directory)

@@ -453,7 +453,7 @@ def snapshot(
     progress: dict,
     identity: dict,
     settings: dict,
-    wandb_run_id: str | None,
+    logger_run_id: str | None,
     d: Dist,
 ) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
@@ -475,7 +475,7 @@ def snapshot(
         "progress": dict(progress),
         "identity": identity,
         "settings": settings,
-        "wandb_run_id": wandb_run_id,
+        "logger_run_id": logger_run_id,  # the logger backend's run, continued by a resume (trainkit/loggers.py)
         "ranks": {"rng": rng_state(d.device), "meter": meter.state_dict()},
     }
 

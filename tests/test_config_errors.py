@@ -80,7 +80,7 @@ CATALOGUE = [
     ),
     (["+foo=1"], "foo is not a setting of the root; its settings: seed, model, data, optim, sched, task, trainer"),
     (["+data.foo=1"], "data.foo is not a setting of data; its settings: name, splits, shape, num_classes"),
-    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb, tensorboard"),
+    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb, tensorboard, mlflow"),
     (
         ["accumulation.global_batch_size=64", "accumulation.steps=1"],
         "accumulation.steps=1 disagrees with accumulation.global_batch_size=64: 64 / (data.batch_size x world size "

@@ -10,6 +10,7 @@ whose `name` is its key here; nothing else in trainkit names a backend. It is bu
 import json
 import netrc
 import os
+import time
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -133,7 +134,67 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-BACKENDS: dict[str, type[Backend]] = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger}
+class MLflowLogger:
+    """An MLflow run in a file store inside the run dir (<run dir>/mlruns: no server; `mlflow ui --backend-store-uri
+    <run dir>/mlruns` shows it), in the experiment logger.project; MLFLOW_TRACKING_URI, when set, points it at a
+    server or database instead. The config as parameters (flattened keys) and config.yaml, the summary as
+    summary.json (artifacts) and model/* tags. A resumed run continues the same MLflow run (run_id), which keeps
+    every value logged: rows an attempt logged past its checkpoint are there twice at their step, the later this
+    run's."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+        # MLflow 3 keeps the file store in maintenance mode behind this switch; a database would be one more
+        # service (or sqlite's ~6 s of schema migrations at every fresh run).
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param, RunStatus
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir) / "mlruns").as_uri())
+        if run_id is not None:
+            self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        else:
+            found = self.client.get_experiment_by_name(cfg.logger.project)
+            experiment = found.experiment_id if found else self.client.create_experiment(cfg.logger.project)
+            group, name, _ = sweep_identity()
+            tags = {tag: "" for tag in cfg.logger.tags} | ({"group": cfg.logger.group or group} if group else {})
+            run_id = self.client.create_run(experiment, run_name=name, tags=tags).info.run_id
+            config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+            params = [Param(key, str(value)[:6000]) for key, value in _flat(config).items()]  # MLflow's limit
+            for start in range(0, len(params), 100):  # log_batch's limit of parameters
+                self.client.log_batch(run_id, params=params[start : start + 100])
+            self.client.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        self.id: str = run_id
+        self.run_id: str | None = run_id
+
+    def log(self, row: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        metrics = [Metric(key, float(value), now, row["step"]) for key, value in numbers.items()]
+        self.client.log_batch(self.id, metrics=metrics)
+
+    def summary(self, facts: dict) -> None:
+        self.client.log_dict(self.id, facts, "summary.json")
+        for key, value in facts.items():
+            self.client.set_tag(self.id, f"model/{key}", value)
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"trainer": {"max_steps": 4}} -> {"trainer.max_steps": 4} (lists stay values)."""
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+BACKENDS: dict[str, type[Backend]] = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger, "mlflow": MLflowLogger}
 NAMES = ("none", *BACKENDS)  # logger.name's values (config.check)
 
 

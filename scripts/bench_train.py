@@ -274,7 +274,7 @@ HOOKS = [
     ("trainkit.metrics:TrainMeter", "row", "rows: meter.row (per row)"),
     ("trainkit.summary:Efficiency", "row", "rows: efficiency.row (per row)"),
     ("trainkit.progress:Progress", "train_line", "rows: console line (per row)"),
-    ("trainkit.metrics:MetricsLogger", "log", "rows: metrics.jsonl (per row)"),
+    ("trainkit.loggers:FileLogger", "log", "rows: metrics.jsonl (per row)"),
 ]
 
 

@@ -10,18 +10,22 @@ batch part, and how fast. Checkpoints written by FSDP (a directory per step) are
 """
 
 import argparse
-import re
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from trainkit.checkpoint import parse_step  # noqa: E402  (the checkpoints' one name/parse pair)
 
 
 def checkpoints(run: Path) -> dict[int | str, Path]:
     """step -> the run's checkpoint file holding the model's weights; "end" -> model.pt."""
     found: dict[int | str, Path] = {}
-    for path in (run / "checkpoints").glob("step_*.pt"):
-        if match := re.fullmatch(r"step_(\d+)\.pt", path.name):
-            found[int(match.group(1))] = path
+    for path in (run / "checkpoints").glob("*"):
+        if (step := parse_step(path.name, sharded=False)) is not None and path.is_file():
+            found[step] = path
     if (run / "model.pt").is_file():
         found["end"] = run / "model.pt"
     return found

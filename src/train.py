@@ -31,7 +31,8 @@ from trainkit.evaluate import evaluate, evaluate_averaged
 from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
 from trainkit.loading import TrainWindows
-from trainkit.metrics import TrainMeter, make_logger
+from trainkit.loggers import make_logger
+from trainkit.metrics import TrainMeter
 from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.profile import Profiler
@@ -259,7 +260,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         debug.anomaly(cfg.debug.anomaly, d),  # debug=anomaly: the backward function that returned NaN, named
         profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
     ):
-        logger.summary(efficiency.facts)  # summary.json, W&B's run summary, TensorBoard's text
+        logger.summary(efficiency.facts)  # summary.json and the logger backend's summary
         # The steps after which there is more to do than train; every step while these need it
         busy = console.bar is not None or profiler.steps is not None or stopper.counts
         every = log_every, eval_every if validates else 0, cfg.checkpoint.every

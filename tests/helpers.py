@@ -204,7 +204,7 @@ def without_timings(row: dict) -> dict:
 def rows(run_dir: Path, timings: bool = True, test: bool = False) -> list[dict]:
     """metrics.jsonl's rows of training and validation (timings=False: without the clock readings, to
     compare two runs); test=True: with the test row at the end (trainer.test), see final_test_row."""
-    from trainkit.metrics import is_test_row
+    from trainkit.loggers import is_test_row
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [row if timings else without_timings(row) for row in map(json.loads, lines) if test or not is_test_row(row)]
@@ -212,7 +212,7 @@ def rows(run_dir: Path, timings: bool = True, test: bool = False) -> list[dict]:
 
 def final_test_row(run_dir: Path) -> dict:
     """The one row of the test pass at the end of a run (trainer.test: test/loss, test/acc, ...)."""
-    from trainkit.metrics import is_test_row
+    from trainkit.loggers import is_test_row
 
     found = [row for row in rows(run_dir, test=True) if is_test_row(row)]
     assert len(found) == 1, found

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import ROOT
+from trainkit.checkpoint import step_name
 from trainkit.dist import Dist
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -130,7 +131,7 @@ def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         for step, state in steps.items():
             model = {prefix + key: value for key, value in state.items()}
-            torch.save({"model": model, "optimizer": {}}, tmp_path / name / "checkpoints" / f"step_{step:08d}.pt")
+            torch.save({"model": model, "optimizer": {}}, tmp_path / name / "checkpoints" / step_name(step))
         torch.save(end, tmp_path / name / "model.pt")
         return str(tmp_path / name)
 

@@ -15,7 +15,7 @@ from helpers import CRASH_RUN as RUN
 from helpers import ROOT, assert_equal, faulty, run_in_process, run_train, together
 from helpers import rows as metrics_rows
 from train import train
-from trainkit.checkpoint import Checkpointer, load_model, save_whole
+from trainkit.checkpoint import Checkpointer, load_model, parse_step, save_whole, step_name
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
 
@@ -95,6 +95,14 @@ def test_a_resume_that_cannot_be_exact_is_refused_naming_the_difference(short_ru
     resume = f"checkpoint.resume={short_run / 'checkpoints' / 'step_00000004.pt'}"
     with pytest.raises(ConfigError, match=named):
         train(compose_cfg("trainer.max_steps=8", resume, override), CPU, "single", tmp_path)
+
+
+def test_checkpoint_names_come_from_one_pair_that_reads_them_back():
+    assert (step_name(12), step_name(12, sharded=True)) == ("step_00000012.pt", "step_00000012")
+    assert sorted(map(step_name, (100, 9, 10))) == list(map(step_name, (9, 10, 100)))  # names sort by step
+    assert [parse_step(step_name(7, s)) for s in (False, True)] == [7, 7]
+    assert parse_step("step_00000007.pt", sharded=True) is None and parse_step("step_00000007", sharded=False) is None
+    assert [parse_step(n) for n in ("best.pt", "best", "step_00000007.pt.tmp", "step_x.pt")] == [None] * 4
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_naming_the_keys():

@@ -71,6 +71,12 @@ CATALOGUE = [
     (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype=fp8 is not one of: fp32, bf16"),
     (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be null or a positive integer"),
     (["model.width=["], "no viable alternative at input '['"),
+    # Options without a Schema of their own: the keys and types of their _target_'s signature (options.derived).
+    (["+experiment=addition_gpt", "model.n_layer=two"], "model.n_layer=two must be an integer"),
+    (["task.label_smoothing=abc"], "task.label_smoothing=abc must be a number"),
+    (["+task.smoothing=0.1"], "task.smoothing is not a setting of task; its settings: _target_, label_smoothing"),
+    (["data.splits.test_fraction=abc"], "data.splits.test_fraction=abc must be a number"),
+    (["+data.splits.fraction=0.1"], "data.splits.fraction is not a setting of data.splits; its settings: _target_,"),
     # Seeds, unknown keys added with +, the logger, K against the global batch (issue 17).
     (["seed=-1"], "seed=-1 must be an integer in [0, 4294967295]"),
     (["seed=4294967296"], "seed=4294967296 must be an integer in [0, 4294967295]"),
@@ -80,7 +86,7 @@ CATALOGUE = [
     ),
     (["+foo=1"], "foo is not a setting of the root; its settings: seed, model, data, optim, sched, task, trainer"),
     (["+data.foo=1"], "data.foo is not a setting of data; its settings: name, splits, shape, num_classes"),
-    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb, tensorboard"),
+    (["logger.name=WandB"], "logger.name=WandB is not one of: none, wandb, tensorboard, mlflow"),
     (
         ["accumulation.global_batch_size=64", "accumulation.steps=1"],
         "accumulation.steps=1 disagrees with accumulation.global_batch_size=64: 64 / (data.batch_size x world size "

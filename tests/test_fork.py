@@ -45,7 +45,7 @@ def test_a_renamed_fork_trains_and_mentions_the_old_name_nowhere(tmp_path):
 # tests/dict_fork.py's parts, each in its room.
 FORK_FILES = {
     "src/trainkit/data/patients.py": "import torch\nfrom torch.utils.data import Dataset\n\n"
-    "from trainkit.data.diabetes import diabetes\nfrom trainkit.data.digits import Schema  # the same keys\n\n\n"
+    "from trainkit.data.diabetes import diabetes\n\n\n"  # no Schema: splits' signature types its keys
     + inspect.getsource(dict_fork.MaskedPatients)
     + "\n\n"
     + inspect.getsource(dict_fork.splits),
@@ -158,3 +158,106 @@ def test_the_fork_trains_exactly_resumes_selects_by_its_metric_evaluates_predict
     assert study.direction == optuna.study.StudyDirection.MINIMIZE and len(study.trials) == 2
     for trial in study.trials:
         assert trial.value == min(row["val/mae"] for row in rows(sweep / str(trial.number)) if "val/mae" in row)
+
+
+# Pulling the template's later fixes (docs/forking.md): a fork cloned from the template at commit A, with its own
+# rooms, conf and tests, merges the template's commit B. B is what the template's later commits are made of: an
+# engine module added and imported, an engine file and a room file the fork did not touch edited, conf/train.yaml
+# and the tests changed.
+FORK_TEST = """from helpers import rows, run_in_process
+
+
+def test_the_fork_trains_its_own_task(tmp_path):
+    run_in_process(tmp_path, "+experiment=patients", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.test=0")
+    assert rows(tmp_path)[-1]["val/mae"] > 0
+"""
+
+
+def _git(cwd, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    who = ["-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "init.defaultBranch=main"]
+    proc = subprocess.run(["git", *who, *args], cwd=cwd, capture_output=True, text=True)
+    assert not check or proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def _edit(path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (path, old)
+    path.write_text(text.replace(old, new, 1))
+
+
+def _later_engine_change(template) -> None:
+    """Commit B: what a later fix of the template touches, none of it a file the fork added."""
+    (template / "src/trainkit/later.py").write_text('"""An engine module the template added later."""\n\nLATER = 1\n')
+    _edit(
+        template / "src/train.py",
+        "from trainkit.loggers import",
+        "import trainkit.later  # noqa: F401\nfrom trainkit.loggers import",
+    )
+    _edit(
+        template / "src/trainkit/checkpoint.py",
+        '"""Checkpoints that resume',
+        '"""Checkpoints (fixed later) that resume',
+    )
+    _edit(template / "src/trainkit/models/mlp.py", "a multilayer perceptron", "a multilayer perceptron (fixed later)")
+    (template / "conf/train.yaml").write_text((template / "conf/train.yaml").read_text() + "# a later comment\n")
+    (template / "tests/test_later.py").write_text(
+        "import trainkit.later\n\n\ndef test_later():\n    assert trainkit.later.LATER\n"
+    )
+    _git(template, "add", "-A")
+    _git(template, "commit", "-qm", "B: a later engine change")
+
+
+@pytest.mark.parametrize(
+    "fork_also", [pytest.param("nothing", marks=pytest.mark.slow), "an engine edit", "rename_package.sh"]
+)
+def test_a_fork_of_an_earlier_commit_merges_the_template_s_later_engine_change(tmp_path, fork_also):
+    """docs/forking.md's flow: clone, `git remote rename origin template`, add rooms and conf, later `git fetch
+    template && git merge template/main`. Clean, and the fork's tests pass, where the fork touched only its own
+    files; a conflict where its history edits an engine line the template changed too, or renames the package."""
+    template, fork = tmp_path / "template", tmp_path / "fork"
+    ignore = shutil.ignore_patterns(".git", ".venv", "outputs", "multirun", "*.egg-info", "__pycache__", ".*_cache")
+    shutil.copytree(ROOT, template, ignore=ignore)  # this working tree (uncommitted changes included) as commit A
+    _git(template, "init", "-q")
+    _git(template, "add", "-A")
+    _git(template, "commit", "-qm", "A: the template")
+    _git(tmp_path, "clone", "-q", str(template), str(fork))
+    _git(fork, "remote", "rename", "origin", "template")
+    for name, text in {**FORK_FILES, "tests/test_patients.py": FORK_TEST}.items():
+        (fork / name).write_text(text.lstrip("\n"))
+    if fork_also == "an engine edit":  # the conflict-maker: a line of the engine the template changes later
+        _edit(fork / "src/trainkit/checkpoint.py", '"""Checkpoints that resume', '"""My checkpoints that resume')
+    elif fork_also == "rename_package.sh":
+        assert subprocess.run(["bash", "scripts/rename_package.sh", "myproject"], cwd=fork).returncode == 0
+    _git(fork, "add", "-A")
+    _git(fork, "commit", "-qm", "the fork's own task")
+    _later_engine_change(template)
+
+    _git(fork, "fetch", "-q", "template")
+    merged = _git(fork, "merge", "--no-edit", "template/main", check=False)
+    if fork_also != "nothing":
+        assert merged.returncode != 0 and "CONFLICT" in merged.stdout, merged.stdout + merged.stderr
+        _git(fork, "merge", "--abort")  # what docs/forking.md says to do when a conflict is not yours to solve now
+        assert _git(fork, "status", "--porcelain").stdout == ""
+        return
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    assert "(fixed later)" in (fork / "src/trainkit/models/mlp.py").read_text()
+    assert (fork / "src/trainkit/data/patients.py").is_file()
+    env = _env() | {"PYTHONPATH": os.pathsep.join([str(fork / "tests"), str(fork / "src")])}
+    # Its own test, the template's new one, and the one that lists conf/model's and conf/data's options (the fork
+    # added one to each): every test of a group's options is written to pass with a fork's own among them.
+    tests = [
+        "tests/test_patients.py",
+        "tests/test_later.py",
+        "tests/test_config_errors.py",
+        "-k",
+        "own or later or unknown",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'pt'}", *tests],
+        cwd=fork,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "\n4 passed" in proc.stdout, proc.stdout + proc.stderr

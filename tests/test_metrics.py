@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import rows, run_in_process, run_train
-from trainkit.metrics import swept_keys, wandb_mode
+from trainkit.loggers import swept_keys, wandb_mode
 
 
 @pytest.mark.parametrize(

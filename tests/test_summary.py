@@ -87,16 +87,16 @@ def test_the_loggers_get_the_summary(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from helpers import compose_cfg
-    from trainkit.metrics import MetricsLogger
+    from trainkit.loggers import Loggers, WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     in_wandb = {}
     for name in ("tensorboard", "wandb"):
         (tmp_path / name).mkdir()  # Hydra's run dir
-        with MetricsLogger(tmp_path / name, compose_cfg(f"logger={name}"), None, None) as logger:
+        with Loggers(tmp_path / name, compose_cfg(f"logger={name}"), None, None) as logger:
             logger.summary({"params": 26122, "flops_per_sample": 155136.0})
-            if logger.wandb is not None:  # the run's summary as the run holds it (its file is written later, by
-                in_wandb = dict(logger.wandb.summary)  # wandb's own service process: not read here)
+            if isinstance(backend := logger.backends[-1], WandbLogger):  # the run's summary as the run holds it (its
+                in_wandb = dict(backend.run.summary)  # file is written later, by wandb's own service process: not read)
         assert json.loads((tmp_path / name / "summary.json").read_text())["params"] == 26122
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()

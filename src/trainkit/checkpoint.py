@@ -41,6 +41,23 @@ from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+
+
+def step_name(step: int, sharded: bool = False) -> str:
+    """A step's checkpoint name: `step_00000012.pt` (one file), `step_00000012` (FSDP's DCP directory).
+    Zero-padded, so names sort by step; parse_step reads it back (scripts/compare_runs.py too)."""
+    return f"step_{step:08d}{'' if sharded else '.pt'}"
+
+
+def parse_step(name: str, sharded: bool | None = None) -> int | None:
+    """The step of a checkpoint name (step_name's inverse), None for any other name (best.pt, a .tmp);
+    sharded: only directory names (True), only file names (False), either (None)."""
+    match = _NAME.match(name)
+    if match is None or (sharded is not None and sharded == bool(match.group(2))):
+        return None
+    return int(match.group(1))
+
+
 # The entries of a state that hold DTensors under FSDP: each rank writes its shards (DCP); the EMA's "ema".
 SHARDED = ("model", "optimizer", "ema")
 
@@ -50,9 +67,9 @@ def complete(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [
-        (int(m.group(1)), p)
+        (step, p)
         for p in directory.iterdir()
-        if (m := _NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
+        if (step := parse_step(p.name, sharded=p.is_dir())) is not None and (p.is_file() or p.is_dir())
     ]
     return [p for _, p in sorted(found)]
 
@@ -76,7 +93,7 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> Path:
         """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a
         list indexed by rank; rank 0 writes it (and, unless sharded, everything else)."""
-        path = self._write(self.directory / f"step_{step:08d}{'' if self.sharded else '.pt'}", state)
+        path = self._write(self.directory / step_name(step, self.sharded), state)
         if self.d.is_main:
             for old in self.complete()[: -self.keep]:  # never `best`: not a step_<N> name
                 _remove(old)
@@ -279,10 +296,10 @@ class ShardedEntry:
 
 
 def _step(path: Path) -> int:
-    match = _NAME.match(path.name)
-    if match is None:
+    step = parse_step(path.name)
+    if step is None:
         raise ValueError(f"{path} is not a checkpoint name")
-    return int(match.group(1))
+    return step
 
 
 def save_whole(state: dict, path: Path) -> None:
@@ -433,7 +450,7 @@ def snapshot(
     progress: dict,
     identity: dict,
     settings: dict,
-    wandb_run_id: str | None,
+    logger_run_id: str | None,
     d: Dist,
 ) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
@@ -455,7 +472,7 @@ def snapshot(
         "progress": dict(progress),
         "identity": identity,
         "settings": settings,
-        "wandb_run_id": wandb_run_id,
+        "logger_run_id": logger_run_id,  # the logger backend's run, continued by a resume (trainkit/loggers.py)
         "ranks": {"rng": rng_state(d.device), "meter": meter.state_dict()},
     }
 

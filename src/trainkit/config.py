@@ -28,7 +28,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, launch, options, schema, stop
+from trainkit import dist, launch, loggers, options, schema, stop
 from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
@@ -185,7 +185,6 @@ MAX_SEED = 2**32 - 1
 STRATEGIES = ("no_sync", "sync_each_batch")
 MODES = ("auto", "single", "ddp", "fsdp")
 ON_NONFINITE = ("raise", "skip")
-LOGGERS = ("none", "wandb", "tensorboard")
 COMM_HOOKS = ("none", "fp16", "bf16")  # parallel.comm_hook (DDP gradient compression)
 REDUCE_DTYPES = ("fp32", "bf16")  # parallel.reduce_dtype (FSDP)
 
@@ -245,7 +244,7 @@ def check(cfg: DictConfig) -> None:
     _one_of("accumulation.strategy", cfg.accumulation.strategy, STRATEGIES)
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
     _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ON_NONFINITE)
-    _one_of("logger.name", cfg.logger.name, LOGGERS)
+    _one_of("logger.name", cfg.logger.name, loggers.NAMES)  # trainkit/loggers.py's backends
     batch_size = cfg.data.batch_size
     if batch_size != "auto" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ConfigError(f"data.batch_size={batch_size} must be a positive integer or auto")

@@ -3,6 +3,11 @@ of its room (trainkit/models, data, tasks), and that module may declare what the
 
 - `Schema`: a dataclass of the yaml's keys; `typed` merges the node into it, so a value of the wrong type or an
   unknown key is refused in one line naming it, and the schema's defaults fill in what the yaml leaves out.
+  Without one, the schema is the `_target_`'s signature (`derived`: a parameter's annotation is its key's type,
+  its default the key's default; a data set's is trainkit.schema.Data with `splits` its function's signature):
+  an option whose keys are its constructor's arguments writes them once, in the signature. A module declares
+  `Schema` where the yaml holds more than the arguments (a data set's own keys beside `splits`) or its defaults
+  differ from the constructor's; a signature with **kwargs has no closed set of keys: no schema is derived.
 - `check(cfg)`: refuses a config the option cannot work with (e.g. task=lm on a data set without tokens).
 - `check_run(run_dir, run_cfg)`: eval.py and predict.py on a finished run of the option.
 - resolvers its yaml uses, registered as the module is imported.
@@ -13,13 +18,19 @@ would check types as it composes, but only for schemas stored before composing, 
 every room up front; the groups trainkit reads itself are typed that way: trainkit/schema.py.)
 """
 
+import dataclasses
+import functools
 import importlib
+import inspect
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from hydra.utils import get_object
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
+from trainkit.schema import Data
 
 TARGETS = {"model": "model._target_", "data": "data.splits._target_", "task": "task._target_"}
 
@@ -43,7 +54,10 @@ def typed(cfg: DictConfig) -> None:
     """Each room node merged into its option's Schema, in place. OmegaConf's ValidationError or ConfigKeyError
     propagates with its full_key prefixed by the group (config.check turns it into one line)."""
     for group in TARGETS:
-        schema = getattr(module_of(cfg, group), "Schema", None)
+        module = module_of(cfg, group)
+        schema = getattr(module, "Schema", None) if module is not None else None
+        if module is not None and schema is None:
+            schema = derived(OmegaConf.select(cfg, TARGETS[group]), group == "data", _hydra_keys(cfg[group], group))
         if schema is None or OmegaConf.get_type(cfg[group]) is schema:
             continue
         try:
@@ -53,6 +67,49 @@ def typed(cfg: DictConfig) -> None:
                 error.full_key = f"{group}.{error.full_key}"  # type: ignore[attr-defined]
             raise
         cfg[group] = node
+
+
+HYDRA_KEYS = ("_partial_", "_recursive_", "_convert_", "_args_")  # instantiate's own keys, typed where a yaml has them
+
+
+def _hydra_keys(node: DictConfig, group: str) -> tuple[str, ...]:
+    called = node.get("splits") if group == "data" else node
+    return tuple(key for key in HYDRA_KEYS if isinstance(called, DictConfig) and key in called)
+
+
+@functools.cache
+def derived(target: str, data: bool = False, hydra_keys: tuple[str, ...] = ()) -> type | None:
+    """The schema of an option without `Schema`: the keys of `target`'s signature, typed by their annotations
+    (Any where there is none, or where OmegaConf cannot type it, e.g. a Dataset), their defaults (MISSING where
+    there is none: the yaml sets it); for a data set (data=True) Data with `splits` typed so. None where the
+    signature takes **kwargs (any key goes) or cannot be read."""
+    try:
+        parameters = inspect.signature(get_object(target), eval_str=True).parameters.values()
+    except (ValueError, TypeError, NameError, ImportError, AttributeError):
+        return None
+    if any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in parameters):
+        return None
+    fields: list[Any] = [("_target_", str, MISSING), *((key, Any, MISSING) for key in hydra_keys)]
+    for p in parameters:
+        default = MISSING if p.default is p.empty else p.default
+        if isinstance(default, (list, dict)):  # a dataclass field's mutable default: a factory
+            default = dataclasses.field(default_factory=functools.partial(type(default), default))
+        kind = p.annotation if p.annotation is not p.empty and _typeable(p.annotation, default) else Any
+        fields.append((p.name, kind, default))
+    call = dataclasses.make_dataclass(f"{target}:signature", fields)
+    if not data:
+        return call
+    splits = ("splits", call, dataclasses.field(default_factory=call))
+    return dataclasses.make_dataclass(f"{target}:data", [splits], bases=(Data,))
+
+
+def _typeable(annotation, default) -> bool:
+    """Can OmegaConf type a key by this annotation, with this default (None needs an Optional one)?"""
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("probe", [("key", annotation, default)]))
+    except Exception:  # omegaconf's ValidationError and the like: an annotation it does not know
+        return False
+    return True
 
 
 def check(cfg: DictConfig) -> None:

@@ -91,7 +91,7 @@ class Parallel:
 
 @dataclass
 class Logger:
-    name: str = "none"  # none | wandb | tensorboard
+    name: str = "none"  # none | a backend of trainkit/loggers.py (wandb, tensorboard, ...)
     project: str = "trainkit"
     entity: str | None = None
     group: str | None = None

@@ -13,8 +13,13 @@ says what of a batch the model gets and what is the target. The engine reads, al
 The yaml's other keys: `shape` and `num_classes` (what the models interpolate), `batch_size`, `shuffle`,
 `drop_last`, `num_workers`, ... (trainkit.schema.Data: the keys every data set has).
 
+The keys of `splits` are written once, as the splits function's arguments: trainkit/options.py derives the data
+node's schema from its signature (trainkit.schema.Data with `splits` typed by the annotations, defaulted by the
+defaults): data/digits.py declares nothing else.
+
 Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
-- `Schema`: a dataclass subclassing trainkit.schema.Data, the yaml's keys and their types.
+- `Schema`: a dataclass subclassing trainkit.schema.Data, the yaml's keys and their types, where the data set has
+  keys of its own beside `splits` (`vocab_size`, `block_size`: data/addition.py) or a signature with **kwargs.
 - `check(cfg)`: refuse a config it cannot work with (trainkit.errors.ConfigError naming the key).
 - `check_run(run_dir, run_cfg)`: eval.py and predict.py call it on a finished run of this data set (e.g.
   data=pydoc_text: the vocabulary it trained with is this Python's).

@@ -4,7 +4,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainkit.data.digits import Schema  # noqa: F401  the same keys: digits' fractions of a fixed permutation
 from trainkit.loading import InMemory, held_out
 
 

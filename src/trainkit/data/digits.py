@@ -1,30 +1,13 @@
 """data=digits (the default): scikit-learn's bundled 8x8 digits, real data without a download."""
 
 import importlib.util
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import MISSING
 from torch.utils.data import Dataset
 
 from trainkit.loading import InMemory, held_out
-from trainkit.schema import Data
-
-
-@dataclass
-class Splits:
-    _target_: str = MISSING
-    val_fraction: float = 0.2
-    test_fraction: float = 0.2
-
-
-@dataclass
-class Schema(Data):
-    """conf/data/digits.yaml's keys and their types (diabetes': the same)."""
-
-    splits: Splits = field(default_factory=Splits)
 
 
 def digits(val_fraction: float = 0.2, test_fraction: float = 0.2) -> tuple[Dataset, Dataset, Dataset]:

@@ -7,17 +7,22 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+from omegaconf import MISSING
 from torch.utils.data import Dataset
 
-from trainkit.data.digits import Splits, digits
+from trainkit.data.digits import digits
 from trainkit.loading import InMemory
 from trainkit.schema import Data
 
 
 @dataclass
-class ViewSplits(Splits):
-    """digits' split fractions and the strengths of the train split's random views (DigitsViews)."""
+class ViewSplits:
+    """digits' split fractions and the strengths of the train split's random views (DigitsViews): written here, as
+    digits_views' **strengths leave the signature without a closed set of keys to derive a schema from."""
 
+    _target_: str = MISSING
+    val_fraction: float = 0.2
+    test_fraction: float = 0.2
     shift: float = 1.0
     rotation: float = 15.0
     scale: float = 0.15

@@ -9,8 +9,13 @@ what the task's `loss_sum` reads. What the engine reads from it, all optional:
   trainkit.recompute (`Staged`, `checkpointed`) keeps the step the same bit for bit.
 - `flops_per_token(length)` and `flops_formula`: a formula the summary prints beside its FLOP count.
 
+The yaml's keys are written once, as the `_target_`'s arguments: their annotations are the keys' types and their
+defaults the keys' defaults (trainkit/options.py derives the schema from the signature), so `model.width=abc` or a
+misspelt key is refused in one line. Annotate what OmegaConf can type (int, float, bool, str, list[int],
+`int | None`, ...); a parameter without one (or with a type it cannot check) takes any value.
+
 Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
-- `Schema`: a dataclass of the yaml's keys: their types are checked (`model.width=abc` refused in one line) and
-  its defaults fill in what the yaml leaves out.
+- `Schema`: a dataclass of the yaml's keys, instead of the derived one (a signature with **kwargs, or defaults of
+  the yaml that are not the constructor's: models/timm.py).
 - `check(cfg)`: refuse a config the model cannot work with, raising trainkit.errors.ConfigError naming the key.
 """

@@ -1,23 +1,8 @@
 """model=cnn: a small conv net with BatchNorm (SyncBN's and activation checkpointing's test model)."""
 
-from dataclasses import dataclass
-
-from omegaconf import MISSING
 from torch import nn
 
 from trainkit.recompute import Staged
-
-
-@dataclass
-class Schema:
-    """conf/model/cnn.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    in_channels: int = MISSING
-    num_classes: int = MISSING
-    width: int = 32
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
 
 
 def cnn(

@@ -1,28 +1,12 @@
 """model=gpt: a small nanoGPT-style causal transformer (data=addition, pydoc_text, tokens; task=lm)."""
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING
 from torch import nn
 
 from trainkit.recompute import checkpointed, recomputing_pays
-
-
-@dataclass
-class Schema:
-    """conf/model/gpt.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    vocab_size: int = MISSING
-    block_size: int = MISSING
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    activation_checkpointing: bool = False
 
 
 class Block(nn.Module):
@@ -104,14 +88,6 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def gpt(
-    vocab_size: int,
-    block_size: int,
-    n_layer: int = 2,
-    n_head: int = 4,
-    n_embd: int = 64,
-    dropout: float = 0.0,
-    activation_checkpointing: bool = False,
-) -> nn.Module:
-    """`activation_checkpointing`: each Block is a checkpointed segment."""
-    return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, activation_checkpointing)
+# conf/model/gpt.yaml's _target_ (and saved runs'): the class itself, its signature the keys' one place (options.py
+# derives their schema from it).
+gpt = GPT

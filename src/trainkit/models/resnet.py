@@ -1,22 +1,8 @@
 """model=resnet18: torchvision's ResNet-18, with a CIFAR stem for small images."""
 
-from dataclasses import dataclass
-
-from omegaconf import MISSING
 from torch import nn
 
 from trainkit.recompute import Staged
-
-
-@dataclass
-class Schema:
-    """conf/model/resnet18.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    in_channels: int = MISSING
-    num_classes: int = MISSING
-    small_input: bool = False
-    activation_checkpointing: bool = False
 
 
 def resnet18(

@@ -1,24 +1,9 @@
 """model=simclr: an encoder with a projection head for contrastive learning (task=contrastive)."""
 
 import math
-from dataclasses import dataclass
 
 import torch
-from omegaconf import MISSING
 from torch import nn
-
-
-@dataclass
-class Schema:
-    """conf/model/simclr.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    in_shape: list[int] = MISSING
-    width: int = 256
-    depth: int = 2
-    dim: int = 64
-    dropout: float = 0.0
-    channels: int | None = None  # a conv encoder's first channels; null: an MLP
 
 
 class SimCLR(nn.Module):
@@ -28,7 +13,15 @@ class SimCLR(nn.Module):
     layers. LayerNorm and GroupNorm, not BatchNorm: a sample's embedding depends on it alone, so the coupled
     loss is exact at any allocation."""
 
-    def __init__(self, in_shape, width=256, depth=2, dim=64, dropout=0.0, channels: int | None = None):
+    def __init__(
+        self,
+        in_shape: list[int],
+        width: int = 256,
+        depth: int = 2,
+        dim: int = 64,
+        dropout: float = 0.0,
+        channels: int | None = None,
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         features = math.prod(in_shape)

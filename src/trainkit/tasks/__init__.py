@@ -23,6 +23,9 @@ Optional:
 - `predictions(output, target)`: predict.py's columns {name: tensor of one value per sample}.
 - `predict_job(cfg, run_cfg, out_dir)`: a task that predicts its own way (task=lm: decoding, sampling).
 
-Its module may declare `Schema` (a dataclass of the yaml's keys and their types) and `check(cfg)` (refuse a
-config it cannot work with, e.g. task=lm without a token data set): trainkit/options.py reads them.
+The yaml's keys are the task's constructor arguments, written once: trainkit/options.py derives their schema from
+its signature (annotations: types; defaults: defaults). Its module may declare `Schema` (a dataclass of the yaml's
+keys and their types, where the signature cannot say them: tasks/contrastive.py's Dataset argument) and
+`check(cfg)` (refuse a config it cannot work with, e.g. task=lm without a token data set): trainkit/options.py
+reads them.
 """

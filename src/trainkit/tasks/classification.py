@@ -1,20 +1,9 @@
 """task=classification: per-sample cross-entropy and accuracy (the default job's)."""
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING
 
 from trainkit.errors import ConfigError
-
-
-@dataclass
-class Schema:
-    """conf/task/classification.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    label_smoothing: float = 0.0
 
 
 def check(cfg) -> None:

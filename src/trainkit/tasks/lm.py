@@ -1,24 +1,12 @@
 """task=lm: next-token prediction, the loss per loss-bearing token (data=addition, pydoc_text, tokens)."""
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from omegaconf import MISSING
 
 from trainkit.data.addition import IGNORE, operand_lengths
 from trainkit.errors import ConfigError
-
-
-@dataclass
-class Schema:
-    """conf/task/lm.yaml's keys and their types."""
-
-    _target_: str = MISSING
-    max_digits: int | None = None
-    per_character: bool = False
-    per_token: bool = False
 
 
 def check(cfg) -> None:

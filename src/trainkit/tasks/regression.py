@@ -1,17 +1,8 @@
 """task=regression: the squared error per sample; val/rmse and val/r2 exact at any world size."""
 
 import math
-from dataclasses import dataclass
 
 import torch
-from omegaconf import MISSING
-
-
-@dataclass
-class Schema:
-    """conf/task/regression.yaml's keys and their types."""
-
-    _target_: str = MISSING
 
 
 class Regression:

@@ -1,0 +1,300 @@
+"""Where rank 0's rows go: metrics.jsonl in the run dir, always, and the backend `logger=<name>` picks.
+
+A backend is one class of BACKENDS with the small interface below (`Backend`) and one yaml, conf/logger/<name>.yaml,
+whose `name` is its key here; nothing else in trainkit names a backend. It is built as
+`Backend(run_dir, cfg, resume_step, run_id)`: resume_step is the checkpoint's step a resumed run continues from
+(None for a fresh run; rows past it are logged again), run_id the backend's own id of the run it continues (its
+`run_id` as saved in the checkpoint under `logger_run_id`), None for a fresh run.
+"""
+
+import json
+import netrc
+import os
+import time
+from pathlib import Path
+from typing import Protocol, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+RUN_ID = "logger_run_id"  # the checkpoint's key for Backend.run_id
+OLD_RUN_ID = "wandb_run_id"  # what checkpoints written before the rename hold
+
+
+class Backend(Protocol):
+    run_id: str | None  # the backend's id of this run: a resumed run continues it (None: a backend without one)
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None) -> None: ...
+
+    def log(self, row: dict) -> None:
+        """One row: `step` and numbers (a training row, an evaluation, the test row)."""
+
+    def summary(self, facts: dict) -> None:
+        """The run's model summary (trainkit/summary.py), once, before the first step."""
+
+    def close(self, failed: bool) -> None:
+        """At the end of the run, also when it fails (failed: True)."""
+
+
+def is_test_row(row: dict) -> bool:
+    """The row of the test pass at the end of a run (test/loss, test/acc, ...)."""
+    return any(key.startswith("test/") for key in row)
+
+
+def saved_run_id(state: dict) -> str | None:
+    """The backend's run id a checkpoint holds (logger_run_id; wandb_run_id in checkpoints written before)."""
+    return state.get(RUN_ID, state.get(OLD_RUN_ID))
+
+
+class FileLogger:
+    """metrics.jsonl (a row per line) and summary.json in the run dir: every run writes them, whatever the backend."""
+
+    run_id: str | None = None  # no run to continue: the file keeps its rows up to the checkpoint
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None = None):
+        self.run_dir = Path(run_dir)
+        path = self.run_dir / "metrics.jsonl"
+        # A fresh run starts the file anew (a previous attempt that died before its first
+        # checkpoint left rows of steps that will be trained again); a resumed one keeps the rows
+        # up to its checkpoint: those past it will be logged again, and the test row (trainer.test), which
+        # every run that ends writes: a finished run resumed again has it once.
+        kept = []
+        if resume_step is not None and path.exists():
+            rows = [(line, json.loads(line)) for line in path.read_text().splitlines()]
+            kept = [line for line, row in rows if row["step"] <= resume_step and not is_test_row(row)]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")  # noqa: SIM115 (a long-lived handle, closed in close())
+
+    def log(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def summary(self, facts: dict) -> None:
+        (self.run_dir / "summary.json").write_text(json.dumps(facts, indent=1) + "\n")
+
+    def close(self, failed: bool) -> None:
+        self.file.close()
+
+
+class WandbLogger:
+    """A W&B run in the run dir: offline unless the user has credentials or sets WANDB_MODE (wandb_mode)."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+        import wandb
+
+        group, name, job_type = sweep_identity()
+        self.run = wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group or group,  # one W&B run per sweep job, grouped by the sweep
+            name=name,
+            job_type=job_type,
+            tags=list(cfg.logger.tags),
+            dir=str(run_dir),
+            mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it
+            config=cast(dict, OmegaConf.to_container(cfg, resolve=True)),
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+        self.run_id: str | None = self.run.id
+
+    def log(self, row: dict) -> None:
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def summary(self, facts: dict) -> None:
+        self.run.summary.update({f"model/{key}": value for key, value in facts.items()})
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class TensorBoardLogger:
+    """A SummaryWriter into the run dir itself (a sweep: each job dir is one run). A resumed run
+    appends a new event file whose purge_step makes TensorBoard drop the rows an earlier attempt
+    logged past the checkpoint (this run logs them again), as metrics.jsonl drops them."""
+
+    run_id: str | None = None  # each attempt its own event file
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        step = resume_step or 0
+        self.writer = SummaryWriter(str(run_dir), purge_step=step + 1 if resume_step is not None else None)
+        config_text = OmegaConf.to_yaml(cfg, resolve=True)
+        self.writer.add_text("config", "".join(f"    {line}\n" for line in config_text.splitlines()), step)  # Markdown
+
+    def log(self, row: dict) -> None:
+        for key, value in row.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, row["step"])
+
+    def summary(self, facts: dict) -> None:
+        self.writer.add_text("summary", "".join(f"    {k}: {v}\n" for k, v in facts.items()), 0)
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class MLflowLogger:
+    """An MLflow run in a file store inside the run dir (<run dir>/mlruns: no server; `mlflow ui --backend-store-uri
+    <run dir>/mlruns` shows it), in the experiment logger.project; MLFLOW_TRACKING_URI, when set, points it at a
+    server or database instead. The config as parameters (flattened keys) and config.yaml, the summary as
+    summary.json (artifacts) and model/* tags. A resumed run continues the same MLflow run (run_id), which keeps
+    every value logged: rows an attempt logged past its checkpoint are there twice at their step, the later this
+    run's."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+        # MLflow 3 keeps the file store in maintenance mode behind this switch; a database would be one more
+        # service (or sqlite's ~6 s of schema migrations at every fresh run).
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param, RunStatus
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir) / "mlruns").as_uri())
+        if run_id is not None:
+            self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        else:
+            found = self.client.get_experiment_by_name(cfg.logger.project)
+            experiment = found.experiment_id if found else self.client.create_experiment(cfg.logger.project)
+            group, name, _ = sweep_identity()
+            tags = {tag: "" for tag in cfg.logger.tags} | ({"group": cfg.logger.group or group} if group else {})
+            run_id = self.client.create_run(experiment, run_name=name, tags=tags).info.run_id
+            config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+            params = [Param(key, str(value)[:6000]) for key, value in _flat(config).items()]  # MLflow's limit
+            for start in range(0, len(params), 100):  # log_batch's limit of parameters
+                self.client.log_batch(run_id, params=params[start : start + 100])
+            self.client.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        self.id: str = run_id
+        self.run_id: str | None = run_id
+
+    def log(self, row: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        metrics = [Metric(key, float(value), now, row["step"]) for key, value in numbers.items()]
+        self.client.log_batch(self.id, metrics=metrics)
+
+    def summary(self, facts: dict) -> None:
+        self.client.log_dict(self.id, facts, "summary.json")
+        for key, value in facts.items():
+            self.client.set_tag(self.id, f"model/{key}", value)
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"trainer": {"max_steps": 4}} -> {"trainer.max_steps": 4} (lists stay values)."""
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+BACKENDS: dict[str, type[Backend]] = {"wandb": WandbLogger, "tensorboard": TensorBoardLogger, "mlflow": MLflowLogger}
+NAMES = ("none", *BACKENDS)  # logger.name's values (config.check)
+
+
+class Loggers:
+    """Rank 0's logger: the file logger and the chosen backend. A context manager: the backend's close() runs
+    also when training fails."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+        chosen = BACKENDS.get(cfg.logger.name)  # none: the file alone
+        self.backends: list[Backend] = [FileLogger(run_dir, cfg, resume_step)]
+        if chosen is not None:
+            self.backends.append(chosen(run_dir, cfg, resume_step, run_id))
+
+    @property
+    def run_id(self) -> str | None:
+        """The backend's run id, saved in checkpoints (logger_run_id) so a resumed run continues the same run."""
+        return self.backends[-1].run_id
+
+    def log(self, row: dict) -> None:
+        for backend in self.backends:
+            backend.log(row)
+
+    def summary(self, facts: dict) -> None:
+        for backend in self.backends:
+            backend.summary(facts)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        for backend in self.backends:
+            backend.close(failed=exc_type is not None)
+
+
+class NullLogger:
+    """What every rank but 0 gets: logging is a no-op there."""
+
+    run_id = None
+
+    def log(self, row: dict) -> None:
+        pass
+
+    def summary(self, facts: dict) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        pass
+
+
+def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool, resume: dict | None = None) -> Loggers | NullLogger:
+    """resume: the checkpoint a run continues from (its step and the backend's run id), or None."""
+    if not is_main:
+        return NullLogger()
+    if resume is None:
+        return Loggers(run_dir, cfg, None, None)
+    return Loggers(run_dir, cfg, resume["progress"]["step"], saved_run_id(resume))
+
+
+def wandb_mode() -> str:
+    """WANDB_MODE when set; online with credentials (WANDB_API_KEY or a netrc login); else
+    offline, so W&B never prompts for a login (a prompt would hang a batch job)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        hosts = netrc.netrc().hosts
+    except (OSError, netrc.NetrcParseError):
+        hosts = {}
+    return "online" if any("wandb" in host for host in hosts) else "offline"
+
+
+def sweep_identity() -> tuple[str | None, str | None, str | None]:
+    """(group, name, job type) of this job's run in a Hydra sweep: the sweep dir groups its
+    jobs, the job's overrides name it (e.g. "accumulation.steps=4,trainer.max_steps=100"), and the
+    values of the keys the sweep varies are its job type (W&B's 64 characters: the whole name cut
+    there would drop a swept key that sorts late); (None, None, None) outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None, None, None
+    hydra = HydraConfig.get()
+    name = hydra.job.override_dirname or f"job {hydra.job.num}"
+    swept = swept_keys(Path(hydra.sweep.dir) / "multirun.yaml")
+    varied = [o for o in hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+    return str(hydra.sweep.dir), name, (" ".join(varied) or name)[:64]
+
+
+def swept_keys(multirun_yaml: Path) -> set[str]:
+    """The keys a sweep varies: its command's sweep overrides (`a=1,2`, `b=range(3)`) and its
+    sweeper's params, read back from the multirun.yaml Hydra writes before the jobs start."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not multirun_yaml.exists():
+        return set()
+    saved = OmegaConf.load(multirun_yaml).hydra
+    params = OmegaConf.select(saved, "sweeper.params", default=None) or {}
+    overrides = [*saved.overrides.task, *(f"{key}={value}" for key, value in params.items())]
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}

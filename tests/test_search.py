@@ -447,6 +447,21 @@ def test_the_grammar_draws_range_as_the_basic_sweeper_lists_it_and_keeps_fixed_v
     assert search_space.grid(distributions("a=range(1,4)", "b=choice(x,y)")) == {"a": [1, 2, 3], "b": ["x", "y"]}
 
 
+def test_the_space_is_composed_at_each_value_and_a_grid_counts_the_points_no_trial_took():
+    space = distributions("a=choice(1,2,3)", "b=interval(0,1.5)")
+    corners = search_space.corners(space)  # every value once, the other key at its first
+    assert corners == [{"a": 1, "b": 0.0}, {"a": 2, "b": 0.0}, {"a": 3, "b": 0.0}, {"a": 1, "b": 1.5}]
+    grid = {"a": [1, 2, 3], "b": ["x"]}
+    study = optuna.create_study()
+    for a, state in ((1, TrialState.PRUNED), (2, TrialState.WAITING), (9, TrialState.COMPLETE)):  # 9: not a point
+        dists = {"a": CategoricalDistribution([1, 2, 3, 9]), "b": CategoricalDistribution(["x"])}
+        value = 0.5 if state == TrialState.COMPLETE else None
+        study.add_trial(optuna.create_trial(state=state, params={"a": a, "b": "x"}, distributions=dists, value=value))
+    assert search.grid_left(study, grid) == 1  # a=3; a pruned or waiting point is taken
+    with pytest.raises(ConfigError, match="grace_period=5 needs heartbeats"):
+        search.Study(sampler=None, heartbeat_interval=None, grace_period=5)
+
+
 @pytest.mark.parametrize(
     ("written", "error"),
     [

@@ -223,12 +223,10 @@ class Study:
     def _check_space(self, space: search_space.Space, fixed: dict[str, str]) -> None:
         """Each key and value of the space composed into the job's config as the launcher will (an unknown key, a
         value of the wrong type: refused in one line), before a trial is asked or anything is written."""
-        loader = self.hydra_context.config_loader
+        loader, fixed_overrides = self.hydra_context.config_loader, [f"{k}={v}" for k, v in fixed.items()]
         for drawn in search_space.corners(space):
-            overrides = [search_space.override_text(k, v) for k, v in drawn.items()] + [
-                f"{k}={v}" for k, v in fixed.items()
-            ]
-            loader.load_sweep_config(self.config, overrides)
+            overrides = [search_space.override_text(k, v) for k, v in drawn.items()]
+            loader.load_sweep_config(self.config, overrides + fixed_overrides)
 
     def _direction(self, config: DictConfig) -> tuple[str, str]:
         key, wanted = objective(config)
@@ -310,9 +308,7 @@ class Study:
             print(f"study {self.study_name}: its grid of {grid_size(grid)} points is complete: nothing to train")
         to_go = min(self.n_trials, left) + retries  # a lost trial's retry (a WAITING trial, asked first): on top
         while to_go > 0:
-            if studies.heartbeats(self.storage):
-                retries = self._lost(study)  # another command's, lost meanwhile
-                to_go += retries
+            to_go += self._lost(study)  # another command's trial, lost meanwhile
             batch = [self._ask(study, space, fixed) for _ in range(int(min(to_go, self.n_jobs)))]
             numbers = [trial.number for trial in batch]
             if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
@@ -396,11 +392,7 @@ class Study:
             with studies.beating(self.storage, [self._id(n) for n in numbers]):
                 returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
         except (SystemExit, KeyboardInterrupt) as stop:  # a signal (its checkpoint written), Ctrl-C: the command ends
-            how = (
-                "stopped at its checkpoint"
-                if isinstance(stop, SystemExit)
-                else "stopped by Ctrl-C: from its newest checkpoint"
-            )
+            how = "stopped at its checkpoint" if isinstance(stop, SystemExit) else CTRL_C
             for number in numbers:
                 self.storage.set_trial_user_attr(self._id(number), INTERRUPTED, how)
             runs = ", ".join(str(self.sweep_dir / str(n)) for n in numbers)

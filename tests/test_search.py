@@ -1,8 +1,8 @@
 """hparams_search=digits_optuna: an Optuna study through trainkit's own Hydra sweeper (trainkit.search).
 One study of 3 trials (each on 2 self-launched workers: one diverging, one pruned by rank 1's pruner
-alone) continued by a second command (one process, a trial pruned), a study stopped by SIGTERM and
-finished by the same command, the two ranks of a torchrun study, the grammar, the storages and the
-sweeper's refusals."""
+alone) continued by a second command (one process, a trial pruned), a study stopped three ways (SIGTERM,
+Ctrl-C, SIGKILL) and finished by the next command each time, a grid run to its end with every trial
+pruned, the two ranks of a torchrun study, the grammar, the storages and the sweeper's refusals."""
 
 import math
 import os
@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -28,14 +29,14 @@ from trainkit.errors import ConfigError
 
 
 class PlantedPruner(optuna.pruners.BasePruner):
-    """Prunes trial `trial` on rank `rank` alone (the other ranks' pruners say go on): the ranks must
-    still stop together (one all-reduce), not hang. Takes and ignores digits_optuna's median settings."""
+    """Prunes trial `trial` (None: every trial) on rank `rank` alone (the other ranks' pruners say go on): the
+    ranks must still stop together (one all-reduce), not hang. Takes and ignores digits_optuna's median settings."""
 
-    def __init__(self, rank: int, trial: int, **ignored):
+    def __init__(self, rank: int, trial: int | None, **ignored):
         self.rank, self.trial = rank, trial
 
     def prune(self, study, trial) -> bool:
-        return trial.number == self.trial and int(os.environ.get("RANK", "0")) == self.rank
+        return self.trial in (None, trial.number) and int(os.environ.get("RANK", "0")) == self.rank
 
 
 def planted_pruner(rank: int, trial: int) -> tuple[str, ...]:
@@ -43,17 +44,25 @@ def planted_pruner(rank: int, trial: int) -> tuple[str, ...]:
     return target, f"+hydra.sweeper.pruner.rank={rank}", f"+hydra.sweeper.pruner.trial={trial}"
 
 
-def sigterm_mlp(marker: str, at_forward: int, **mlp):
-    """model=mlp that sends this process SIGTERM once, at its at_forward-th training forward."""
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)  # stopping_mlp's, in this order, one a trial
+
+
+def stopping_mlp(markers: str, at_forward: int, **mlp):
+    """model=mlp whose process receives the next of STOPS at its at_forward-th training forward (a marker file
+    in `markers` remembers each one sent). SIGINT as in a terminal: Python's KeyboardInterrupt (a test run in
+    the background inherits SIGINT ignored)."""
     from trainkit.models.mlp import mlp as make_mlp
 
     net, calls = make_mlp(**mlp), [0]
 
     def hook(module, args):
         calls[0] += module.training
-        if calls[0] == at_forward and not Path(marker).exists():
-            Path(marker).touch()
-            os.kill(os.getpid(), signal.SIGTERM)
+        sent = [s for s in STOPS if (Path(markers) / s.name).exists()]
+        if calls[0] == at_forward and len(sent) < len(STOPS):
+            stop = STOPS[len(sent)]
+            (Path(markers) / stop.name).touch()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.kill(os.getpid(), stop)
 
     net.register_forward_pre_hook(hook)
     return net
@@ -73,9 +82,9 @@ STUDY = (
 )
 
 
-def trials(sweep: Path, name: str = "study.db") -> list:
+def trials(sweep: Path, name: str = "study.db", study: str = "digits_optuna") -> list:
     url = f"sqlite:///{sweep / name}" if name.endswith(".db") else str(sweep / name)  # .log: a journal file
-    return studies.load("digits_optuna", url).trials
+    return studies.load(study, url).trials
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +184,26 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
     diverging = (f"hydra.sweep.dir={sweep}3", "optim.lr=choice(1e6)", "hydra.sweeper.n_trials=1")
     shutil.copytree(sweep, f"{sweep}4")  # the same study, asked with another space for optim.lr
     respaced = (f"hydra.sweep.dir={sweep}4", "optim.lr=interval(0.01,0.1)")
-    other, direction, failing, another_space = together(
+    no_key = (f"hydra.sweep.dir={sweep}5", "model.nokey=choice(1,2)")  # refused before a storage or a dir exists
+    reversed_ = (f"hydra.sweep.dir={sweep}6", "optim.weight_decay=interval(0.1,0)")
+    other, direction, failing, another_space, unknown, empty = together(
         lambda: run_train(sweep / "x", *STUDY, *other_study, check=False),
         lambda: run_train(sweep / "x", *STUDY, *contradicting, check=False),
         lambda: run_train(sweep / "x", *STUDY, *diverging, check=False),
         lambda: run_train(sweep / "x", *STUDY, *respaced, check=False),
+        lambda: run_train(sweep / "x", *STUDY, *no_key, check=False),
+        lambda: run_train(sweep / "x", *STUDY, *reversed_, check=False),
     )
+    assert (unknown.returncode, empty.returncode) == (2, 2)
+    assert unknown.stderr.strip().splitlines() == [
+        "error: model.nokey is not a setting of model; its settings: _target_, in_shape, num_classes, width, depth, "
+        "dropout"
+    ]
+    assert empty.stderr.strip().splitlines() == [
+        "error: hydra.sweeper.params: optim.weight_decay=interval(0.1,0) is empty (interval(low, high) needs "
+        "low < high)"
+    ]
+    assert not Path(f"{sweep}5").exists() and not Path(f"{sweep}6").exists()
     assert other.returncode == 2
     assert other.stderr.strip().splitlines() == [
         f"error: {sweep / '0'} holds a run, but study x has 0 trials: a new trial would resume it; use another "
@@ -205,6 +228,53 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
         "or another hydra.sweep.dir)"
     ]
     assert len(trials(Path(f"{sweep}4"))) == 5  # refused before a trial was asked (none left running)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A grid of 2 points, every trial pruned at its first evaluation: 1 trial, then n_trials=5 (1 point left), then
+    the same command again (none left)."""
+    sweep = tmp_path_factory.mktemp("grid") / "sweep"
+    command = (
+        "-m",
+        "hydra/sweeper=optuna_study",
+        "hydra/sweeper/sampler=grid",
+        "optim.lr=choice(0.05,0.1)",
+        "hydra.sweeper.pruner={_target_:test_search.PlantedPruner,rank:0,trial:null}",  # prunes every trial
+        "trainer.max_steps=10",
+        "trainer.eval_every=5",
+        "checkpoint.every=5",
+        f"hydra.sweep.dir={sweep}",
+    )
+    runs = [run_train(sweep / "unused", *command, f"hydra.sweeper.n_trials={n}", check=False) for n in (1, 5, 5)]
+    return sweep, runs
+
+
+@pytest.mark.slow
+def test_a_grid_ends_when_its_points_are_run_and_then_trains_nothing(grid):
+    sweep, (_, last_point, complete) = grid
+    assert last_point.returncode == 0, last_point.stderr  # not Optuna's RuntimeError from study.stop()
+    assert "Traceback" not in last_point.stderr
+    assert last_point.stdout.count("done: ") == 1  # n_trials=5 with 1 point left: 1 trial
+    assert "study train: its grid of 2 points is complete" in last_point.stdout
+    assert "study train: 1 trials (0 failed, 1 pruned), 2 in all" in last_point.stdout
+    assert sorted(t.params["optim.lr"] for t in trials(sweep, name="study.db", study="train")) == [0.05, 0.1]
+    assert complete.returncode == 0, complete.stderr
+    assert "done: " not in complete.stdout and not (sweep / "2").exists()  # trains nothing
+    assert "study train: its grid of 2 points is complete: nothing to train" in complete.stdout
+    assert "study train: 0 trials (0 failed, 0 pruned), 2 in all" in complete.stdout
+
+
+@pytest.mark.slow
+def test_a_study_whose_trials_were_all_pruned_ends_with_its_summary_and_exit_0(grid):
+    sweep, (first, *_) = grid
+    (pruned,) = trials(sweep, study="train")[:1]
+    assert pruned.state == TrialState.PRUNED
+    assert first.returncode == 0, first.stderr  # every trial did what it was asked: not a failed job
+    assert first.stdout.strip().splitlines()[-1] == (
+        "study train: 1 trials (0 failed, 1 pruned), 1 in all; no trial completed: every trial was pruned, no best "
+        "trial"
+    )
 
 
 @pytest.mark.slow
@@ -274,8 +344,12 @@ def test_a_study_in_several_processes_without_torchrun_is_refused(monkeypatch):
         search.lockstep_ranks()
 
 
-def test_a_study_stopped_by_sigterm_is_finished_by_the_same_command_from_its_checkpoint(tmp_path):
-    sweep, marker = tmp_path / "sweep", tmp_path / "sigterm"
+@pytest.mark.slow
+def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_command_from_its_checkpoint(tmp_path):
+    """Four commands of one study, 1 trial each: SIGTERM (trial 0 checkpoints at step 15), Ctrl-C (trial 1 stops at
+    once: its newest checkpoint is step 10's), SIGKILL (trial 2's command dies: its heartbeats stop), then none."""
+    sweep, markers = tmp_path / "sweep", tmp_path / "markers"
+    markers.mkdir()
     command = (
         *STUDY[:2],
         "optim.lr=0.05",
@@ -283,10 +357,12 @@ def test_a_study_stopped_by_sigterm_is_finished_by_the_same_command_from_its_che
         "trainer.eval_every=10",
         "checkpoint.every=10",
         "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.heartbeat_interval=1",  # a trial's command writes one a second; 2 s without one: gone
+        "hydra.sweeper.grace_period=2",
         f"hydra.sweep.dir={sweep}",
-        "model._target_=test_search.sigterm_mlp",
-        f"+model.marker={marker}",
-        "+model.at_forward=15",
+        "model._target_=test_search.stopping_mlp",
+        f"+model.markers={markers}",
+        "+model.at_forward=15",  # a resumed trial trains at most 10 forwards: only a fresh one is stopped
     )
     stopped = run_train(tmp_path / "unused", *command, check=False)
     assert stopped.returncode == 128 + signal.SIGTERM
@@ -297,14 +373,40 @@ def test_a_study_stopped_by_sigterm_is_finished_by_the_same_command_from_its_che
     ]
     (interrupted,) = trials(sweep)
     assert interrupted.state == TrialState.RUNNING and "interrupted" in interrupted.user_attrs
-    again = run_train(tmp_path / "unused", *command)
-    assert "study digits_optuna: finishing trial 0, stopped at its checkpoint" in again.stdout
-    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step_00000015.pt'} at step 15" in again.stdout
-    finished, new = trials(sweep)
-    assert finished.state == new.state == TrialState.COMPLETE and finished.params == interrupted.params
+
+    ctrl_c = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 0; trial 1 gets Ctrl-C
+    assert "study digits_optuna: finishing trial 0, stopped at its checkpoint" in ctrl_c.stdout
+    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step_00000015.pt'} at step 15" in ctrl_c.stdout
+    assert ctrl_c.returncode == 128 + signal.SIGINT
+    assert ctrl_c.stderr.strip().splitlines()[-2:] == [
+        f"study digits_optuna: trial(s) 1 interrupted; the same command finishes them first, from their "
+        f"checkpoints in {sweep / '1'}, then asks its new trials",
+        "error: stopped by SIGINT (Ctrl-C); the steps since the newest checkpoint are lost (SIGTERM checkpoints first)",
+    ]
+    finished, by_ctrl_c = trials(sweep)
+    assert finished.state == TrialState.COMPLETE and finished.params == interrupted.params
     assert [r["step"] for r in rows(sweep / "0") if "val/acc" in r] == [10, 20]  # one run, resumed at 15
     assert finished.value == max(r["val/acc"] for r in rows(sweep / "0") if "val/acc" in r)
-    assert "study digits_optuna: 1 trials (0 failed, 0 pruned), 2 in all" in again.stdout
+    assert by_ctrl_c.state == TrialState.RUNNING and "interrupted" in by_ctrl_c.user_attrs
+
+    killed = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 1; trial 2's command is killed
+    killed_at = time.monotonic()
+    assert "study digits_optuna: finishing trial 1, stopped by Ctrl-C: from its newest checkpoint" in killed.stdout
+    assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000010.pt'} at step 10" in killed.stdout
+    assert killed.returncode == -signal.SIGKILL
+    assert [t.state for t in trials(sweep)] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.RUNNING]
+
+    time.sleep(max(0.0, killed_at + 3 - time.monotonic()))  # past the grace period (a command starts in more)
+    again = run_train(tmp_path / "unused", *command)
+    checkpoint = sweep / "2" / "checkpoints" / "step_00000010.pt"
+    assert "study digits_optuna: trial 2 lost its command (no heartbeat for 2 s): trial 3 finishes it" in again.stdout
+    assert f"resumed from {checkpoint} at step 10" in again.stdout
+    *_, lost, retried, new = trials(sweep)
+    assert lost.state == TrialState.FAIL and retried.state == new.state == TrialState.COMPLETE
+    assert retried.params == lost.params and retried.system_attrs["failed_trial"] == 2
+    assert [r["step"] for r in rows(sweep / "3") if "val/acc" in r] == [20]  # trial 2's run, from its step 10
+    assert retried.value == max(r["val/acc"] for r in rows(sweep / "2") + rows(sweep / "3") if "val/acc" in r)
+    assert "study digits_optuna: 2 trials (0 failed, 0 pruned), 5 in all" in again.stdout
 
 
 def distributions(*overrides: str) -> dict:
@@ -343,6 +445,21 @@ def test_the_grammar_draws_range_as_the_basic_sweeper_lists_it_and_keeps_fixed_v
     assert fixed == {"a": "0.5"} and space == {"b": FloatDistribution(0.0, 1.5)}
     assert search_space.override_text("optim.lr", 1.0) == "optim.lr=1.0"
     assert search_space.grid(distributions("a=range(1,4)", "b=choice(x,y)")) == {"a": [1, 2, 3], "b": ["x", "y"]}
+
+
+def test_the_space_is_composed_at_each_value_and_a_grid_counts_the_points_no_trial_took():
+    space = distributions("a=choice(1,2,3)", "b=interval(0,1.5)")
+    corners = search_space.corners(space)  # every value once, the other key at its first
+    assert corners == [{"a": 1, "b": 0.0}, {"a": 2, "b": 0.0}, {"a": 3, "b": 0.0}, {"a": 1, "b": 1.5}]
+    grid = {"a": [1, 2, 3], "b": ["x"]}
+    study = optuna.create_study()
+    for a, state in ((1, TrialState.PRUNED), (2, TrialState.WAITING), (9, TrialState.COMPLETE)):  # 9: not a point
+        dists = {"a": CategoricalDistribution([1, 2, 3, 9]), "b": CategoricalDistribution(["x"])}
+        value = 0.5 if state == TrialState.COMPLETE else None
+        study.add_trial(optuna.create_trial(state=state, params={"a": a, "b": "x"}, distributions=dists, value=value))
+    assert search.grid_left(study, grid) == 1  # a=3; a pruned or waiting point is taken
+    with pytest.raises(ConfigError, match="grace_period=5 needs heartbeats"):
+        search.Study(sampler=None, heartbeat_interval=None, grace_period=5)
 
 
 @pytest.mark.parametrize(

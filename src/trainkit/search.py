@@ -12,13 +12,20 @@ public API (ask with the search space's distributions, tell), with what a study 
 - direction auto follows checkpoint.mode: the objective a job returns is the run's best monitored value.
 - a seeded sampler continues at seed + the trials so far: with the seed itself, a continued study
   would draw its random start-up trials again.
-- a trial stopped by a signal (its checkpoint written) is marked "interrupted"; the same command first
-  finishes it in its dir, from that checkpoint, then asks new trials.
+- a trial stopped by a signal (its checkpoint written) or by Ctrl-C (at once) is marked "interrupted"; the
+  same command first finishes it in its dir, from its newest checkpoint, then asks new trials. One whose
+  command was killed (SIGKILL, a lost node: nothing runs to mark it) is found by Optuna's heartbeats
+  (trainkit.studies): the next command fails it and a new trial with its params finishes it from its checkpoint.
+- the search space is checked (its grammar, each key and value composed into the job's config) before a
+  storage or a dir exists: a refused command leaves nothing behind.
+- a grid (GridSampler) ends when every point was asked: n_trials counts the points left; a complete grid
+  trains nothing more. A study whose trials were all pruned ends with its summary and exit 0.
 - hydra.sweeper.pruner: the jobs report their evaluations and stop when pruned (trainkit.pruning); the
   sweeper tells Optuna PRUNED. Refused where a pruner cannot be right (see check_pruner).
 The grammar of hydra.sweeper.params: trainkit.search_space; the storage: trainkit.studies."""
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -35,7 +42,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from trainkit import dist, search_space, studies
+from trainkit import checkpoint, dist, search_space, studies
 from trainkit.errors import ConfigError
 from trainkit.pruning import PRUNED_AT
 from trainkit.selection import monitored
@@ -45,6 +52,8 @@ DIRECTIONS = {"max": "maximize", "min": "minimize"}
 INTERRUPTED = "interrupted"  # a trial's user attribute: stopped by a signal at its checkpoint, to be finished
 OVERRIDES = "overrides"  # a trial's user attribute: the overrides its job ran with (to finish it later)
 EVAL_EVERY = "trainer.eval_every"  # the study's user attribute under a pruner: its trials' evaluation steps
+CTRL_C = "stopped by Ctrl-C: from its newest checkpoint"  # INTERRUPTED's value after a KeyboardInterrupt
+CHECKPOINTS = "checkpoints"  # a run dir's checkpoints (train.py's Checkpointer)
 
 
 def objective(cfg: DictConfig) -> tuple[str, str]:
@@ -71,6 +80,28 @@ def outcome(ret: JobReturn, job_dir: Path) -> str | None:
     if not isinstance(value, (int, float)) or math.isnan(value):
         return f"the objective is {value!r}, not a number"
     return None
+
+
+class Grid(optuna.samplers.GridSampler):
+    """hydra/sweeper/sampler=grid. GridSampler.after_trial calls study.stop() once the grid is done, which Optuna
+    refuses outside Study.optimize (a RuntimeError at the last point's tell): the sweeper asks and tells, and ends
+    the study itself when no point is left (grid_left)."""
+
+    def after_trial(self, study: Any, trial: Any, state: TrialState, values: Any) -> None:
+        pass
+
+
+def grid_size(grid: dict[str, list]) -> int:
+    return math.prod(len(values) for values in grid.values())
+
+
+def grid_left(study: optuna.Study, grid: dict[str, list]) -> int:
+    """The grid's points no trial of the study has run, runs or waits to run (failed and pruned ones count as run,
+    as GridSampler counts them)."""
+    keys = sorted(grid)
+    taken = {tuple(t.params[k] for k in keys) for t in study.get_trials(deepcopy=False) if set(keys) <= set(t.params)}
+    points = itertools.product(*(grid[k] for k in keys))
+    return sum(point not in taken for point in points)
 
 
 class Lockstep:
@@ -142,19 +173,25 @@ class Study:
         params: DictConfig | None = None,
         custom_search_space: str | None = None,
         pruner: Any = None,
+        heartbeat_interval: int | None = 60,
+        grace_period: int | None = None,
         **unknown: Any,
     ):
         if unknown:
             keys = "sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate, params, "
             raise ConfigError(
                 f"hydra.sweeper.{next(iter(unknown))} is not a setting of hydra/sweeper=optuna_study; its settings: "
-                f"{keys}custom_search_space, pruner"
+                f"{keys}custom_search_space, pruner, heartbeat_interval, grace_period"
             )
         if not 0 <= max_failure_rate <= 1:
             raise ConfigError(f"hydra.sweeper.max_failure_rate={max_failure_rate} must be between 0 and 1")
-        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs)):
-            if not isinstance(value, int) or value < 1:
+        optional = (("heartbeat_interval", heartbeat_interval), ("grace_period", grace_period))
+        for key, value in (("n_trials", n_trials), ("n_jobs", n_jobs), *(kv for kv in optional if kv[1] is not None)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"hydra.sweeper.{key}={value} must be a positive integer")
+        if heartbeat_interval is None and grace_period is not None:
+            raise ConfigError(f"hydra.sweeper.grace_period={grace_period} needs heartbeats: heartbeat_interval is null")
+        self.heartbeat = studies.Heartbeat(heartbeat_interval, grace_period) if heartbeat_interval else None
         self.sampler, self.direction, self.storage_url = sampler, direction, storage
         self.study_name = study_name or "study"
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
@@ -165,22 +202,31 @@ class Study:
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         optuna.logging.disable_default_handler()  # optuna's lines through Hydra's log (uncoloured)
         optuna.logging.enable_propagation()
-        self.config, self.sweep_dir = config, Path(config.hydra.sweep.dir)
+        self.config, self.sweep_dir, self.hydra_context = config, Path(config.hydra.sweep.dir), hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config
         )
         self.leader = dist.env_rank() == 0
         self.lockstep = Lockstep() if lockstep_ranks() else None
         self.objective_key, self.direction = self._direction(config)
-        if not self.leader:
-            return
+
+    def _open(self) -> None:
+        """The storage (and the sweep dir its file lives in), after the search space was checked."""
         self.sweep_dir.mkdir(parents=True, exist_ok=True)  # the sqlite file's dir
-        self.storage = studies.storage(self.storage_url) or optuna.storages.InMemoryStorage()
+        self.storage = studies.storage(self.storage_url, self.heartbeat) or optuna.storages.InMemoryStorage()
         self.earlier = len(self._trials())  # the study's trials before this command
         self._refuse_stale_dirs()
-        seed = OmegaConf.select(config, "hydra.sweeper.sampler.seed")
+        seed = OmegaConf.select(self.config, "hydra.sweeper.sampler.seed")
         if seed is not None and self.earlier:
-            self.sampler = instantiate(config.hydra.sweeper.sampler, seed=seed + self.earlier)
+            self.sampler = instantiate(self.config.hydra.sweeper.sampler, seed=seed + self.earlier)
+
+    def _check_space(self, space: search_space.Space, fixed: dict[str, str]) -> None:
+        """Each key and value of the space composed into the job's config as the launcher will (an unknown key, a
+        value of the wrong type: refused in one line), before a trial is asked or anything is written."""
+        loader, fixed_overrides = self.hydra_context.config_loader, [f"{k}={v}" for k, v in fixed.items()]
+        for drawn in search_space.corners(space):
+            overrides = [search_space.override_text(k, v) for k, v in drawn.items()]
+            loader.load_sweep_config(self.config, overrides + fixed_overrides)
 
     def _direction(self, config: DictConfig) -> tuple[str, str]:
         key, wanted = objective(config)
@@ -235,10 +281,13 @@ class Study:
     def _study(self, arguments: list[str]) -> None:
         space, fixed = search_space.parse([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
         check_pruner(self.pruner, self.storage_url, list(space), self.config)
-        if isinstance(self.sampler, functools.partial) and self.sampler.func is optuna.samplers.GridSampler:
-            grid = search_space.grid(space)
-            self.sampler = self.sampler(grid)
-            self.n_trials = min(self.n_trials, math.prod(len(v) for v in grid.values()))
+        is_grid = isinstance(self.sampler, functools.partial) and self.sampler.func is optuna.samplers.GridSampler
+        grid = search_space.grid(space) if is_grid else None
+        self._check_space(space, fixed)
+        self._open()
+        if grid is not None:
+            assert isinstance(self.sampler, functools.partial)  # (the seed's sampler, _open, is one too)
+            self.sampler = Grid(grid, *self.sampler.args, **self.sampler.keywords)
         study = optuna.create_study(
             study_name=self.study_name, storage=self.storage, sampler=self.sampler, direction=self.direction,
             load_if_exists=True,
@@ -247,18 +296,48 @@ class Study:
         self._same_space(study, space)
         if self.pruner is not None:
             self._same_steps(study)
-        for trial in self._interrupted(study):  # finished first, each in its own dir, from its checkpoint
+        interrupted = self._interrupted(study)
+        studies.claim(self.storage, [trial._trial_id for trial in interrupted])  # this command finishes them
+        retries = self._lost(study)
+        for trial in interrupted:  # finished first, each in its own dir, from its checkpoint
             print(f"study {self.study_name}: finishing trial {trial.number}, {trial.user_attrs[INTERRUPTED]}")
             self._run(study, [trial.number], [trial.user_attrs[OVERRIDES]])
-        to_go = self.n_trials
+        left = grid_left(study, grid) if grid is not None else math.inf
+        if left == 0:
+            assert grid is not None
+            print(f"study {self.study_name}: its grid of {grid_size(grid)} points is complete: nothing to train")
+        to_go = min(self.n_trials, left) + retries  # a lost trial's retry (a WAITING trial, asked first): on top
         while to_go > 0:
-            batch = [self._ask(study, space, fixed) for _ in range(min(to_go, self.n_jobs))]
+            to_go += self._lost(study)  # another command's trial, lost meanwhile
+            batch = [self._ask(study, space, fixed) for _ in range(int(min(to_go, self.n_jobs)))]
             numbers = [trial.number for trial in batch]
             if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
                 raise ConfigError(f"trials {numbers} of study {self.study_name}: another command asks it at once")
             self._run(study, numbers, [trial.user_attrs[OVERRIDES] for trial in batch])
             to_go -= len(batch)
+        if grid is not None and left and grid_left(study, grid) == 0:
+            print(f"study {self.study_name}: its grid of {grid_size(grid)} points is complete")
         self._summary(study)
+
+    def _lost(self, study: optuna.Study) -> int:
+        """Optuna's heartbeats: the trials whose command is gone fail, each asked again (a WAITING trial) and
+        finished from its checkpoint (_resume); how many were found."""
+        if not studies.heartbeats(self.storage):
+            return 0
+        before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
+        studies.fail_lost(study)
+        found = 0
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            if trial.number in before or not (history := studies.retried_from(trial)):
+                continue
+            grace = self.heartbeat.grace_period or 2 * self.heartbeat.interval if self.heartbeat else 0
+            print(
+                f"study {self.study_name}: trial {history[-1]} lost its command (no heartbeat for {grace} s): "
+                f"trial {trial.number} finishes it",
+                flush=True,
+            )
+            found += 1
+        return found
 
     def _same_steps(self, study: optuna.Study) -> None:
         """A pruner compares the trials' values at equal steps: the study's trials all evaluate alike."""
@@ -286,7 +365,10 @@ class Study:
                     ) from None
 
     def _ask(self, study: optuna.Study, space: search_space.Space, fixed: dict[str, str]) -> optuna.Trial:
-        trial = study.ask(fixed_distributions=space)
+        with studies.quiet():
+            trial = study.ask(fixed_distributions=space)  # a WAITING trial first: a lost one's retry, its params
+        if OVERRIDES in trial.user_attrs:  # a retry: the lost trial's own overrides
+            return trial
         try:
             if self.extend is not None:  # custom_search_space(config, trial): suggests more parameters
                 self.extend(self.config, trial)
@@ -303,13 +385,16 @@ class Study:
 
     def _run(self, study: optuna.Study, numbers: list[int], overrides: list[list[str]]) -> None:
         """Launch one batch (job N: trial N, in <sweep dir>/N) and tell the study each result."""
+        overrides = [jobs + self._resume(number) for number, jobs in zip(numbers, overrides, strict=True)]
         if self.lockstep is not None:
             self.lockstep.publish({"job_idx": numbers[0], "overrides": overrides})
         try:
-            returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
-        except SystemExit:  # a job stopped by a signal (its checkpoint written): this command ends with it
+            with studies.beating(self.storage, [self._id(n) for n in numbers]):
+                returns = self.launcher.launch(overrides, initial_job_idx=numbers[0])
+        except (SystemExit, KeyboardInterrupt) as stop:  # a signal (its checkpoint written), Ctrl-C: the command ends
+            how = "stopped at its checkpoint" if isinstance(stop, SystemExit) else CTRL_C
             for number in numbers:
-                self.storage.set_trial_user_attr(self._id(number), INTERRUPTED, "stopped at its checkpoint")
+                self.storage.set_trial_user_attr(self._id(number), INTERRUPTED, how)
             runs = ", ".join(str(self.sweep_dir / str(n)) for n in numbers)
             print(
                 f"study {self.study_name}: trial(s) {', '.join(map(str, numbers))} interrupted; the same command "
@@ -317,6 +402,11 @@ class Study:
                 file=sys.stderr,
                 flush=True,
             )
+            raise
+        except Exception as refused:  # the launcher's own refusal (e.g. a job's config): no trial left RUNNING
+            for number in numbers:
+                self.storage.set_trial_user_attr(self._id(number), "error", str(refused).splitlines()[0][:300])
+                study.tell(number, state=TrialState.FAIL)
             raise
         failed = 0
         for number, ret in zip(numbers, returns, strict=True):
@@ -334,13 +424,25 @@ class Study:
                 f"hydra.sweeper.max_failure_rate={self.max_failure_rate:g}"
             )
 
+    def _resume(self, number: int) -> list[str]:
+        """A lost trial's retry trains in its own dir from the newest checkpoint of the trials it retries (none
+        when its own dir has one: it was interrupted in turn, and resumes there)."""
+        history = studies.retried_from(self.storage.get_trial(self._id(number)))
+        if not history or checkpoint.complete(self.sweep_dir / str(number) / CHECKPOINTS):
+            return []
+        for earlier in reversed(history):
+            if found := checkpoint.complete(self.sweep_dir / str(earlier) / CHECKPOINTS):
+                return [f"checkpoint.resume={found[-1]}"]
+        return []
+
     def _id(self, number: int) -> int:
         """Trial `number`'s id in the storage (Optuna's public BaseStorage API)."""
         study_id = self.storage.get_study_id_from_name(self.study_name)
         return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
 
     def _summary(self, study: optuna.Study) -> None:
-        """This command's failed trials, one line each, then the study's best; exit 1 when none completed."""
+        """This command's failed trials, one line each, then the study's best. None completed: exit 1 when a trial
+        failed; every trial pruned is a study that did what it was asked (exit 0, no best trial)."""
         trials = study.get_trials(deepcopy=False)
         mine = trials[self.earlier :]
         failed = [t for t in mine if t.state == TrialState.FAIL]
@@ -350,9 +452,12 @@ class Study:
         said = f"study {self.study_name}: {len(mine)} trials ({len(failed)} failed, {len(pruned)} pruned), "
         said += f"{len(trials)} in all"
         done = [t for t in trials if t.state == TrialState.COMPLETE]
-        if not done:
+        if not done and any(t.state == TrialState.FAIL for t in trials):
             print(f"error: {said}; no trial completed", file=sys.stderr, flush=True)
             raise SystemExit(1)
+        if not done:
+            print(f"{said}; no trial completed: every trial was pruned, no best trial", flush=True)
+            return
         best = study.best_trial
         params = " ".join(f"{k}={v}" for k, v in best.params.items())
         print(f"{said}; best trial {best.number}: {best.value:.6g} with {params}", flush=True)

@@ -101,6 +101,24 @@ def override_text(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
+def corners(space: Space) -> list[dict[str, Any]]:
+    """Draws that show every value of each key once to the job's config (a choice's each value, a range's ends),
+    the other keys at their first: what the sweeper composes before it asks a trial."""
+    values = {key: _ends(dist) for key, dist in space.items()}
+    first = {key: found[0] for key, found in values.items()}
+    draws = [first]
+    for key, found in values.items():
+        draws += [{**first, key: value} for value in found[1:]]
+    return draws
+
+
+def _ends(dist: BaseDistribution) -> list:
+    if isinstance(dist, CategoricalDistribution):
+        return list(dist.choices)
+    assert isinstance(dist, IntDistribution | FloatDistribution)
+    return [dist.low, dist.high]
+
+
 def grid(space: Space) -> dict[str, list]:
     """GridSampler's search space: every value of each distribution (choice, range, an integer interval)."""
     values: dict[str, list] = {}

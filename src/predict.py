@@ -24,6 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist, heldout, options
+from trainkit.batch import size
 from trainkit.errors import ConfigError
 from trainkit.inference import predict
 from trainkit.precision import autocast_for
@@ -40,7 +41,7 @@ def task_results(task, out: dict, probs: bool) -> tuple[dict, list[list]]:
     values = zip(*(column.tolist() for column in columns.values()), strict=True)
     rows = [["index", *columns]] + [[i, *(_cell(v) for v in row)] for i, row in enumerate(values)]
     sums = task.eval_sums(None, out["logits"], out["targets"])  # the whole split at once: the same on any N
-    return task.eval_metrics(sums.tolist()) | {"samples": len(out["targets"])}, rows
+    return task.eval_metrics(sums.tolist()) | {"samples": size(out["targets"])}, rows  # (y, x): samples, not 2
 
 
 def _cell(value) -> str:

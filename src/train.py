@@ -63,6 +63,7 @@ class StepParts:
     max_norm: float  # trainer.clip_grad_norm; inf: measure the norm, clip nothing
     unpack: Callable  # batch -> (what the model gets, what the loss reads): the task's, else a pair's halves
     bare: bool  # nothing needs more than a plain loop's step: bare_step
+    terms: bool  # the task declares loss_terms: its loss_sum is [loss, *terms], the loss is its first
     # (Plain values, read once: one OmegaConf attribute costs 10-30 us, 4-9 % of the default mlp's step.)
 
     @property
@@ -98,8 +99,8 @@ def bare_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> No
     for batch in micro:
         x, y = s.unpack(batch if windows.on_device else to_device(batch, s.d.device))
         with s.autocast():
-            loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
-        (loss_sum * scale).backward()
+            loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items (loss_terms: [loss, *terms])
+        ((loss_sum[0] if s.terms else loss_sum) * scale).backward()
         losses.append(loss_sum.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_(s.parameters, s.max_norm)
     s.optimizer.step()
@@ -126,8 +127,8 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
                 # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                 with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():
                     with s.autocast():
-                        loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
-                    s.scaler.scale(loss_sum * scale).backward()
+                        loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items ([loss, *terms])
+                    s.scaler.scale((loss_sum[0] if s.terms else loss_sum) * scale).backward()
                     s.meter.add_micro_step(loss_sum)
         if not s.auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
             break
@@ -169,12 +170,13 @@ def build_step(
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
-    meter = TrainMeter(d, comm, task.items_name)
+    meter = TrainMeter(d, comm, task.items_name, getattr(task, "loss_terms", ()))  # terms: rows' loss/<term>
     # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
     coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
     # bare: no sync to skip (one process), no fp16 scaling, no window to skip or run again, no batch-coupled loss
     bare = mode == "single" and not scaler.is_enabled() and guard.deferred and not auto.enabled and coupled is None
     knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf, unpacker(task), bare
+    knobs += (bool(meter.terms),)
     parameters = list(model.parameters())
     parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
     return StepParts(*parts, *knobs)

@@ -187,3 +187,28 @@ def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+class _PairTarget:
+    """A task whose loss reads a structured target, (label, input) (task=distil's): its fields are no samples."""
+
+    eval_width = 2
+
+    def predictions(self, output, target):
+        return {"target": target[0], "prediction": output.argmax(dim=1)}
+
+    def eval_sums(self, inputs, output, target):
+        correct = (output.argmax(dim=1) == target[0]).sum().double()
+        return torch.stack([correct, torch.tensor(float(len(target[0])), dtype=torch.float64)])
+
+    def eval_metrics(self, sums):
+        return {"acc": sums[0] / sums[1]}
+
+
+def test_predict_counts_the_samples_of_a_structured_target_not_its_fields():
+    from predict import task_results  # issue 45, 6: "acc ... on 2 val samples" and "samples": 2 for 359
+
+    torch.manual_seed(0)
+    out = {"logits": torch.randn(359, 3), "targets": (torch.randint(0, 3, (359,)), torch.randn(359, 4))}
+    metrics, rows = task_results(_PairTarget(), out, probs=False)
+    assert metrics["samples"] == 359 and len(rows) == 1 + 359

@@ -104,8 +104,8 @@ class CoupledWindows:
         sizes = gather(mine, self.d).tolist()  # every rank's rows, in rank order
         everyone = gather(local, self.d).requires_grad_()
         target = gather(torch.cat(targets), self.d)
-        loss_sum = self.task.loss_sum(everyone, target)
-        self.scaler.scale(loss_sum * scale).backward()
+        loss_sum = self.task.loss_sum(everyone, target)  # loss_terms: [loss, *terms], the loss first
+        self.scaler.scale((loss_sum[0] if self.meter.terms else loss_sum) * scale).backward()
         # The loss of the global batch, once (not once per rank) in the meter's all-reduced sums
         self.meter.add_micro_step(loss_sum if self.d.rank == 0 else loss_sum * 0)  # 0 x nan: a rank's nan still shows
         start = sum(sizes[: self.d.rank])

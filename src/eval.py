@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trainkit import config, dist, heldout, options
+from trainkit import teacher as teachers
 from trainkit.evaluate import evaluate
 from trainkit.precision import autocast_for
 from trainkit.progress import headline
@@ -43,7 +44,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
         f"eval | run dir {run_dir} | weights {weights} | split={cfg.split} ({len(dataset)} samples) | "
         f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank, {precision} | writing to {out_dir}"
     )
-    task = instantiate(run_cfg.task)
+    task, _ = teachers.build_task(run_cfg.task, run_dir, d.device, own=True)  # task.teacher: the run's copy
     metrics = evaluate(model.to(d.device), batches, d, autocast_for(precision, d.device), task, prefix=cfg.split)
     batches.check()
     if d.is_main:

@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
+from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpacker
@@ -216,10 +217,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
-    task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
+    # What is learned: the loss of a batch's items, the evaluation sums; task.teacher: a frozen run beside the model
+    task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=teachers.resumes(cfg, run_dir))
     net = instantiate(cfg.model)
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
-    efficiency = describe(net, train_set, task, d, cfg.trainer.precision)
+    efficiency = describe(net, train_set, task, d, cfg.trainer.precision, beside={"teacher": teacher})
     parts = build_step(cfg, d, mode, net, task, auto, total_steps)  # the wrapped model, its optimizer, ...
     model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
     step_once = bare_step if parts.bare else optimizer_step
@@ -246,6 +248,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
+        teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*

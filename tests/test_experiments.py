@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from helpers import ROOT, run_in_process, run_train
-from trainkit import config
+from helpers import ROOT, make_parent, run_in_process, run_train
+from trainkit import config, teacher
 from trainkit.config import ConfigError, micro_batch
 from trainkit.data.vision import torchvision_splits
 from trainkit.dist import Dist
@@ -25,6 +25,16 @@ from trainkit.tasks.classification import Classification
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+# Experiments that build on a finished run: the key that names it, and the overrides of a run to stand in for it
+# (made on the fly by helpers.make_parent: its config and initial weights, no training)
+PARENTS = {"digits_distil": ("task.teacher.from", ("model=cnn",))}
+
+
+def parent_overrides(name: str, tmp_path: Path) -> list[str]:
+    if name not in PARENTS:
+        return []
+    key, overrides = PARENTS[name]
+    return [f"{key}={make_parent(tmp_path / 'parent', *overrides)}"]
 
 
 def write_fake_cifar10(root: Path, per_batch: int = 4, test: int = 6) -> Path:
@@ -98,11 +108,11 @@ def compose_experiment(name: str, *overrides: str):
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root):
-    cfg = compose_experiment(name, *small("", cifar_root))
+def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root, tmp_path):
+    cfg = compose_experiment(name, *small("", cifar_root), *parent_overrides(name, tmp_path))
     config.check(cfg)
     instantiate(cfg.model)
-    instantiate(cfg.task)
+    teacher.build_task(cfg.task, None, torch.device("cpu"), own=False)  # the task, with its teacher where it has one
     assert 0 <= instantiate(cfg.sched, total_steps=10)(0) <= 1
     assert config.accumulation_steps(cfg, 1) >= 1
 
@@ -123,6 +133,7 @@ def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request):
     nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
+    overrides += parent_overrides(name, tmp_path)
     if name == "accumulation_sweep":  # its sweep under torchrun, which the next test reads too
         nproc = 2
         stdout, sweep = request.getfixturevalue("accumulation_sweep")

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, provenance, pruning, schedules, stop
 from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
@@ -249,6 +249,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
         teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
+        # provenance.json: commit, diff, versions, command, world size, the parents' own records
+        provenance.write(run_dir, cfg, d.world_size, resumed["progress"]["step"] if resumed else None)
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*

@@ -4,13 +4,15 @@ same row (on the same and on another world size) without the teacher's own dir, 
 or model.pt and is counted in the summary."""
 
 import json
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import make_parent, max_diff, rows, run_in_process, weights
+from helpers import ROOT, max_diff, rows, run_in_process, weights
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.metrics import TrainMeter
@@ -39,11 +41,30 @@ TERMS = ("loss", "loss/ce", "loss/kd")
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
-    """The 1-process run and its teacher (a cnn's initial weights: a fixed function is all exactness needs)."""
+    """The 1-process run and its teacher: a cnn trained 2 steps where git cannot be found (no PATH), a chain of 2
+    runs whose first one's provenance.json says so."""
     base = tmp_path_factory.mktemp("distil")
-    parent = make_parent(base / "teacher", "model=cnn", "model.width=8")
+    parent = base / "teacher"
+    path = os.environ["PATH"]
+    os.environ["PATH"] = str(base / "nowhere")
+    try:
+        run_in_process(parent, "model=cnn", "model.width=8", "trainer.max_steps=2", "trainer.test=false")
+    finally:
+        os.environ["PATH"] = path
     out = run_in_process(base / "one", *RUN, f"task.teacher.from={parent}")
     return base, parent, out
+
+
+def test_a_chain_of_2_is_traced_in_provenance_json_and_a_run_without_git_goes_on(one):
+    base, parent, _ = one
+    first, second = (json.loads((d / "provenance.json").read_text()) for d in (parent, base / "one"))
+    assert first["git"] == {"commit": None, "why": "git is not installed"} and first["parents"] == {}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert second["git"]["commit"] == commit and second["world_size"] == 1 == first["world_size"]
+    assert second["versions"]["torch"] == torch.__version__.split("+")[0] and "hydra-core" in second["versions"]
+    teacher = second["parents"]["task.teacher.from"]
+    assert teacher["run_dir"] == str(parent.resolve()) and teacher["provenance"] == first  # nested: the whole chain
+    assert isinstance(second["command"], str) and "resumes" not in second  # in process: no Hydra overrides
 
 
 def _train_rows(run_dir):
@@ -95,6 +116,9 @@ def test_a_resume_mid_row_logs_the_same_row_without_the_teacher_s_dir(one, tmp_p
         run_in_process(resumed, *RUN, f"task.teacher.from={parent}", *two, nproc=nproc)
     finally:
         gone.rename(parent)
+    record = json.loads((resumed / "provenance.json").read_text())
+    assert record["resumes"][-1]["step"] == 4 and record["resumes"][-1]["world_size"] == nproc
+    assert record["parents"]["task.teacher.from"]["provenance"]["git"]["commit"] is None  # the start's, kept
     a, b = _train_rows(base / "one")[-1], _train_rows(resumed)[-1]
     assert a["step"] == b["step"] == 6
     if nproc == 1:

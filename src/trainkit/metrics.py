@@ -11,6 +11,7 @@ from typing import cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit import provenance
 from trainkit.errors import ConfigError
 
 clock = time.perf_counter  # what TrainMeter's throughput (samples/s) is measured by; time/data_wait: perf_counter
@@ -173,7 +174,7 @@ def _start_wandb(run_dir: Path, cfg: DictConfig, run_id: str | None):
         tags=list(cfg.logger.tags),
         dir=str(run_dir),
         mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it
-        config=cast(dict, OmegaConf.to_container(cfg, resolve=True)),
+        config=cast(dict, OmegaConf.to_container(cfg, resolve=True)) | {"provenance": provenance.brief(run_dir)},
         id=run_id,
         resume="allow" if run_id else None,
     )

@@ -176,8 +176,14 @@ def build_step(
     coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
     # bare: no sync to skip (one process), no fp16 scaling, no window to skip or run again, no batch-coupled loss
     bare = mode == "single" and not scaler.is_enabled() and guard.deferred and not auto.enabled and coupled is None
-    knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf, unpacker(task), bare
-    knobs += (bool(meter.terms),)
+    knobs = (
+        cfg.seed,
+        cfg.accumulation.strategy,
+        cfg.trainer.clip_grad_norm or math.inf,
+        unpacker(task),
+        bare,
+        bool(meter.terms),
+    )
     parameters = list(model.parameters())
     parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
     return StepParts(*parts, *knobs)

@@ -575,3 +575,18 @@ def dropout_masks(run_dir: Path, *overrides: str, nproc: int = 2) -> list[list[t
     importlib.import_module("train")  # once here, not in every forked rank
     overrides = ("model._target_=helpers.dropout_mlp", *overrides)
     return run_distributed(_dropout_masks_worker, nproc, str(run_dir), overrides, group=False)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """torch's SGD that records each of its steps' group lrs (optim._target_=helpers.RecordingSGD): what each
+    parameter group stepped with, in this process."""
+
+    lrs: list[list[float]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        RecordingSGD.lrs = []
+
+    def step(self, closure=None):
+        RecordingSGD.lrs.append([group["lr"] for group in self.param_groups])
+        return super().step(closure)

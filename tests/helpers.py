@@ -590,3 +590,18 @@ def make_parent(run_dir: Path, *overrides: str, seed: int = 0) -> Path:
     OmegaConf.save(cfg, Path(run_dir) / ".hydra" / "config.yaml")
     torch.save(model.state_dict(), Path(run_dir) / "model.pt")
     return Path(run_dir)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """torch's SGD that records each of its steps' group lrs (optim._target_=helpers.RecordingSGD): what each
+    parameter group stepped with, in this process."""
+
+    lrs: list[list[float]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        RecordingSGD.lrs = []
+
+    def step(self, closure=None):
+        RecordingSGD.lrs.append([group["lr"] for group in self.param_groups])
+        return super().step(closure)

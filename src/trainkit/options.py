@@ -13,9 +13,12 @@ would check types as it composes, but only for schemas stored before composing, 
 every room up front; the groups trainkit reads itself are typed that way: trainkit/schema.py.)
 """
 
+import dataclasses
+import functools
 import importlib
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -46,6 +49,10 @@ def typed(cfg: DictConfig) -> None:
         schema = getattr(module_of(cfg, group), "Schema", None)
         if schema is None or OmegaConf.get_type(cfg[group]) is schema:
             continue
+        if group == "model" and "init" in cfg.model:  # model.init (trainkit/parent.py): the engine's key, not the
+            schema = _with_init(schema)  # model's (config.check types it; `from` is no dataclass field name)
+            if OmegaConf.get_type(cfg[group]) is schema:
+                continue
         try:
             node = OmegaConf.merge(OmegaConf.structured(schema), cfg[group])
         except Exception as error:
@@ -53,6 +60,12 @@ def typed(cfg: DictConfig) -> None:
                 error.full_key = f"{group}.{error.full_key}"  # type: ignore[attr-defined]
             raise
         cfg[group] = node
+
+
+@functools.cache
+def _with_init(schema: type) -> type:
+    """The model's Schema with trainkit's `init` key beside its own."""
+    return dataclasses.make_dataclass(schema.__name__, [("init", Any, None)], bases=(schema,))
 
 
 def check(cfg: DictConfig) -> None:

@@ -19,7 +19,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from trainkit.checkpoint import complete
 from trainkit.errors import ConfigError
 from trainkit.parent import Parent
 
@@ -64,7 +63,7 @@ def build_task(
         raise ConfigError("task.teacher.from is required: the run dir of a finished run (its model.pt), the teacher")
     copy = Path(run_dir) / COPY if run_dir is not None else None
     source = copy if own and copy is not None and copy.is_dir() else Path(str(wanted["from"]))
-    parent = Parent.open(source, weights=str(wanted.get("weights", "last")))
+    parent = Parent.open(source, weights=str(wanted.get("weights", "last")), key="task.teacher")
     frozen = Frozen(parent.build_model(), parent).to(device)
     return instantiate(task_cfg, teacher=frozen), frozen
 
@@ -75,15 +74,8 @@ def keep(frozen: Frozen | None, run_dir: Path) -> None:
     if frozen is None:
         return
     copy = Path(run_dir) / COPY
-    if Path(frozen.parent.run_dir).resolve() == copy.resolve():
+    if frozen.parent.run_dir is None or Path(frozen.parent.run_dir).resolve() == copy.resolve():
         return
-    if copy.exists():  # an earlier attempt's copy: this fresh start's teacher replaces it
-        shutil.rmtree(copy)
-    frozen.parent.copy_into(copy)
+    frozen.parent.copy_into(copy)  # atomic; an earlier attempt's copy replaced
     if (record := Path(frozen.parent.run_dir) / "provenance.json").is_file() and not (copy / record.name).exists():
         shutil.copy2(record, copy / record.name)
-
-
-def resumes(cfg: DictConfig, run_dir: Path) -> bool:
-    """Does this start continue a checkpoint of its own run dir (then its teacher is the copy there)?"""
-    return cfg.checkpoint.resume is not None and bool(complete(Path(run_dir) / "checkpoints"))

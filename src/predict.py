@@ -59,7 +59,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, task, d: dist.Dist, out_dir: Path)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
     model, weights = run_model(cfg, run_cfg)
-    model.to(d.device)
+    model.to(d.device).eval()  # as predict() runs it: prepare_eval's embeddings are the eval mode's
     say_predicting(cfg, weights, len(dataset), batch_size, d, out_dir)
     if (prepare := getattr(task, "prepare_eval", None)) is not None:  # e.g. task=contrastive's kNN bank
         prepare(model, d, autocast)

@@ -212,3 +212,24 @@ def test_predict_counts_the_samples_of_a_structured_target_not_its_fields():
     out = {"logits": torch.randn(359, 3), "targets": (torch.randint(0, 3, (359,)), torch.randn(359, 4))}
     metrics, rows = task_results(_PairTarget(), out, probs=False)
     assert metrics["samples"] == 359 and len(rows) == 1 + 359
+
+
+def test_predict_writes_a_contrastive_run_s_embeddings_index_aligned_on_1_and_2_ranks(tmp_path):
+    """task=contrastive has no predictions but declares `embeddings`: embeddings.pt, every val sample once in
+    dataset order (359: a multiple of neither 2 ranks nor the batch of 64), the same on 1 and 2 ranks."""
+    from helpers import make_parent
+
+    run_dir = make_parent(tmp_path / "simclr", "+experiment=digits_simclr")  # its initial weights: no training
+    written = []
+    for nproc in (1, 2):
+        out = tmp_path / f"predict{nproc}"
+        run_in_process(out, f"run_dir={run_dir}", "batch_size=64", script="predict", nproc=nproc)
+        written.append(torch.load(out / "embeddings.pt", weights_only=True))
+        assert not (out / "predictions.csv").exists()
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["samples"] == 359 and 0 <= metrics["knn_acc"] <= 1
+    one, two = written
+    labels = torch.tensor([int(y) for _, y in digits(0.2, 0.2)[1]])
+    assert one["split"] == "val" and one["index"].tolist() == list(range(359)) and one["label"].equal(labels)
+    assert one["embedding"].shape[0] == 359 and torch.allclose(one["embedding"], two["embedding"], atol=1e-6)
+    assert two["index"].equal(one["index"]) and two["label"].equal(labels)

@@ -141,3 +141,25 @@ def test_the_teacher_stays_frozen_and_a_terms_shape_is_checked():
     meter.add_step(torch.tensor(1.0), 4, 4, losses=[task.loss_sum(out, (y, x)).detach()])
     with pytest.raises(ConfigError, match=r"shape \(3,\): its loss_terms \('ce',\) need \(2,\)"):
         meter.row()
+
+
+@pytest.mark.parametrize(
+    ("teacher", "message"),
+    [
+        ({"from": "???"}, "task.teacher.from is required"),
+        ({"from": "/nonexistent", "weights": "last"}, r"task.teacher.from=/nonexistent does not exist"),
+        ({"from": "PARENT", "weights": "ema"}, r"has no model_ema.pt \(task.teacher.weights=ema\)"),
+        ({"from": "PARENT", "weighs": "last"}, r"task.teacher.weighs: not a key of task.teacher"),
+        ({"from": "PARENT/model.pt"}, r"is a weights file: building its model needs a run dir"),
+    ],
+)
+def test_a_bad_teacher_is_one_line(one, teacher, message):
+    from omegaconf import OmegaConf
+
+    from trainkit.teacher import build_task
+
+    _, parent, _ = one
+    node = {key: str(value).replace("PARENT", str(parent)) for key, value in teacher.items()}
+    cfg = OmegaConf.create({"_target_": "trainkit.tasks.distil.Distil", "teacher": node})
+    with pytest.raises(ConfigError, match=message):
+        build_task(cfg, None, torch.device("cpu"), own=False)

@@ -90,7 +90,7 @@ def timm_model(
         check_input(model, name, args, takes_size, in_chans, img_size)
     units = block_classes(model)
     model.shard_units = units or None  # type: ignore[assignment]  # None: trainkit's default units
-    model.layer_of = layer_order(model)  # type: ignore[assignment]  # optim.layer_decay's order
+    model.layer_of = layer_order(model)  # optim.layer_decay's order
     if activation_checkpointing:
         for block in outermost(model, units):
             checkpoint_forward(block)
@@ -104,8 +104,8 @@ def layer_order(model: nn.Module):
     from timm.models import group_parameters
     from timm.optim._param_groups import auto_group_layers
 
-    if hasattr(model, "group_matcher"):
-        layers = group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+    if (matcher := getattr(model, "group_matcher", None)) is not None:
+        layers = group_parameters(model, matcher(coarse=False), reverse=True)
     else:
         layers = auto_group_layers(model)
     last = max(layers.values())

@@ -157,9 +157,13 @@ def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after
     shutil.move(parent, moved)  # the parent's dir is gone: a resume reads the checkpoint, never the parent
     try:
         out = chained(resumed, parent)
+        # eval.py and predict.py of a chained run read its own dir alone
+        evaluated = run_in_process(tmp_path / "eval", f"run_dir={single}", "split=test", script="eval")
+        predicted = run_in_process(tmp_path / "predict", f"run_dir={single}", script="predict")
     finally:
         shutil.move(moved, parent)
     assert "model.init" not in out and "resumed from" in out
+    assert "done: test loss" in evaluated and "on 359 val samples" in predicted, evaluated + predicted
     final = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)
     got = torch.load(resumed / "checkpoints" / "step_00000006.pt", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "ranks", "progress"):

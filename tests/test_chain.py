@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 import helpers
 from helpers import assert_equal, run_in_process, weights
 from helpers import rows as metrics_rows
-from trainkit import optim, schedules
-from trainkit.parent import Parent, remap
+from trainkit import config, optim, schedules
+from trainkit.parent import Parent, model_node, remap
 
 # A small mlp (Linear layers 1, 4, 7) trained briefly: the parent of the runs below.
 PARENT = ["model.width=16", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.test=false"]
@@ -156,9 +157,13 @@ def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after
     shutil.move(parent, moved)  # the parent's dir is gone: a resume reads the checkpoint, never the parent
     try:
         out = chained(resumed, parent)
+        # eval.py and predict.py of a chained run read its own dir alone
+        evaluated = run_in_process(tmp_path / "eval", f"run_dir={single}", "split=test", script="eval")
+        predicted = run_in_process(tmp_path / "predict", f"run_dir={single}", script="predict")
     finally:
         shutil.move(moved, parent)
     assert "model.init" not in out and "resumed from" in out
+    assert "done: test loss" in evaluated and "on 359 val samples" in predicted, evaluated + predicted
     final = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)
     got = torch.load(resumed / "checkpoints" / "step_00000006.pt", weights_only=True)
     for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
@@ -189,3 +194,15 @@ def test_two_ranks_k2_train_a_partly_frozen_model_as_one_process_and_sync_only_t
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
         assert torch.equal(got[name], start[name]) is (name in FROZEN), name
     assert [row["comm/grad_bytes"] for row in rows(tmp_path)] == [TRAINABLE * 4] * 6  # one sync of the trainable
+
+
+def test_layer_decay_follows_gpts_declared_layer_order():
+    gpt = helpers.compose_cfg("+experiment=addition_gpt", "model.n_layer=2", "optim.layer_decay=0.5")
+    config.typed(gpt)
+    settings = optim.plan(gpt.optim, instantiate(model_node(gpt))).settings
+    assert [settings[n][0] for n in ("wte.weight", "blocks.0.qkv.weight", "blocks.1.mlp.0.bias", "ln_f.weight")] == [
+        0.125,
+        0.25,
+        0.5,
+        1.0,
+    ]

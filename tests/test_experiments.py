@@ -21,6 +21,7 @@ from trainkit.config import ConfigError, micro_batch
 from trainkit.data.vision import torchvision_splits
 from trainkit.dist import Dist
 from trainkit.loading import TrainLoader, draws_random
+from trainkit.parent import load_into, model_node
 from trainkit.tasks.classification import Classification
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -107,11 +108,30 @@ def compose_experiment(name: str, *overrides: str):
         return compose("train", [f"+experiment={name}", *overrides])
 
 
+def parent_of(name: str, tmp_path_factory) -> list[str]:
+    """An experiment that builds on a run (model.init.from: ???, a probe, a fine-tune) gets one made on the fly:
+    the run dir of its parent experiment (the yaml's first command line), its model untrained (the weights'
+    names and shapes are what a child's build checks), as model.init.from; others get nothing."""
+    cfg = compose_experiment(name)
+    if "init" not in cfg.model or not OmegaConf.is_missing(cfg.model.init, "from"):
+        return []
+    text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
+    parent = re.search(r"\+experiment=(\w+)", text).group(1)  # type: ignore[union-attr]
+    run_dir = tmp_path_factory.mktemp(f"parent_{parent}")
+    parent_cfg = compose_experiment(parent)
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(parent_cfg, run_dir / ".hydra" / "config.yaml")
+    torch.save(instantiate(model_node(parent_cfg)).state_dict(), run_dir / "model.pt")
+    return [f"model.init.from={run_dir}"]
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root, tmp_path):
-    cfg = compose_experiment(name, *small("", cifar_root), *parent_overrides(name, tmp_path))
+def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root, tmp_path_factory):
+    parents = [*parent_of(name, tmp_path_factory), *parent_overrides(name, tmp_path_factory.mktemp("teacher"))]
+    cfg = compose_experiment(name, *small("", cifar_root), *parents)
     config.check(cfg)
-    instantiate(cfg.model)
+    model = instantiate(model_node(cfg))
+    load_into(model, cfg.model.get("init"))  # a parent's weights fit
     teacher.build_task(cfg.task, None, torch.device("cpu"), own=False)  # the task, with its teacher where it has one
     assert 0 <= instantiate(cfg.sched, total_steps=10)(0) <= 1
     assert config.accumulation_steps(cfg, 1) >= 1
@@ -128,12 +148,12 @@ def accumulation_sweep(tmp_path_factory, cifar_root) -> tuple[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request):
+def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request, tmp_path_factory):
     cfg = compose_experiment(name)
     nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
-    overrides += parent_overrides(name, tmp_path)
+    overrides += parent_of(name, tmp_path_factory) + parent_overrides(name, tmp_path)
     if name == "accumulation_sweep":  # its sweep under torchrun, which the next test reads too
         nproc = 2
         stdout, sweep = request.getfixturevalue("accumulation_sweep")

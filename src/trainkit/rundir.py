@@ -14,6 +14,7 @@ from trainkit.checkpoint import load_model, save_whole
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.halving import EvalBatches
+from trainkit.parent import model_node
 
 WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # weights=<name>: in the run dir
 
@@ -88,7 +89,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
 def run_model(cfg: DictConfig, run_cfg: DictConfig) -> tuple[torch.nn.Module, Path]:
     """The run's model (on the CPU) with the weights `cfg.weights` names, and their file."""
-    model = instantiate(run_cfg.model)
+    model = instantiate(model_node(run_cfg))  # less model.init: the run's own weights load next
     weights = weights_path(Path(cfg.run_dir), cfg.weights)
     load_weights(model, weights)
     return model, weights

@@ -137,6 +137,9 @@ def test_the_teacher_stays_frozen_and_a_terms_shape_is_checked():
     out, y = torch.randn(4, 2, requires_grad=True), torch.tensor([0, 1, 1, 0])
     loss, ce, kd = task.loss_sum(out, (y, x))
     assert loss.item() == pytest.approx(0.75 * ce.item() + 0.25 * kd.item()) and loss.requires_grad
+    other = Distil(Frozen(nn.Linear(3, 5), parent=None), temperature=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"task.teacher: its outputs have shape \[4, 5\], the model's \[4, 2\]"):
+        other.loss_sum(out, (y, x))
     meter = TrainMeter(CPU, CommStats(), terms=("ce",))  # a declared term the loss_sum does not return
     meter.add_step(torch.tensor(1.0), 4, 4, losses=[task.loss_sum(out, (y, x)).detach()])
     with pytest.raises(ConfigError, match=r"shape \(3,\): its loss_terms \('ce',\) need \(2,\)"):

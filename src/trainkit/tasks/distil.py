@@ -69,7 +69,13 @@ class Distil:
         label, x = target
         t = self.temperature
         ce = F.cross_entropy(output.float(), label, reduction="sum")
-        soft = F.log_softmax(self.teacher(x).float() / t, dim=1)  # the teacher: eval mode, no_grad
+        logits = self.teacher(x)  # the teacher: eval mode, no_grad
+        if logits.shape != output.shape:  # a teacher of other classes (or data) than the student's
+            raise ConfigError(
+                f"task.teacher: its outputs have shape {list(logits.shape)}, the model's {list(output.shape)}: "
+                "the teacher must be a run on the same data"
+            )
+        soft = F.log_softmax(logits.float() / t, dim=1)
         kd = F.kl_div(F.log_softmax(output.float() / t, dim=1), soft, reduction="sum", log_target=True) * t * t
         return ce, kd
 

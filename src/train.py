@@ -186,7 +186,7 @@ def build_step(
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
     groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
     if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
-        d.print0(f"optim.groups: BatchNorm in eval mode (frozen; optim.frozen_batchnorm=train trains it): {held}")
+        d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
     optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
@@ -284,7 +284,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
-        if chained is not None:  # what eval.py, predict.py and a resume may need of the parent, if its dir goes
+        if chained is not None:  # the parent's weights and config kept with the run, for when its dir is gone
             chained.copy_into(run_dir / "parent")
         teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
         # provenance.json: commit, diff, versions, command, world size, the parents' own records

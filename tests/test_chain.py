@@ -156,7 +156,7 @@ def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after
     moved = tmp_path / "gone"
     shutil.move(parent, moved)  # the parent's dir is gone: a resume reads the checkpoint, never the parent
     try:
-        out = chained(resumed, parent)
+        out = chained(resumed, tmp_path / "elsewhere")  # no such dir: never read, and no other run for it
         # eval.py and predict.py of a chained run read its own dir alone
         evaluated = run_in_process(tmp_path / "eval", f"run_dir={single}", "split=test", script="eval")
         predicted = run_in_process(tmp_path / "predict", f"run_dir={single}", script="predict")

@@ -356,6 +356,8 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "data.train_samples": len(train_set),  # last (a key above names a change first): e.g. debug=limit's
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
+    for key in [k for k in identity if k.startswith("model.init.")]:  # where step 0's weights came from: the
+        del identity[key]  # checkpoint holds them (the parent may have moved or be gone: a resume never reads it)
     return identity
 
 

@@ -100,10 +100,6 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
     frozen: set[str] = set()
     owner: dict[str, int] = {}
     for i, group in enumerate(optim.get("groups") or []):
-        if unknown := set(group) - set(GROUP_KEYS):
-            raise ConfigError(f"optim.groups[{i}]: unknown key {sorted(unknown)[0]} (keys: {', '.join(GROUP_KEYS)})")
-        if not isinstance(group.get("params"), str):
-            raise ConfigError(f"optim.groups[{i}].params must be a glob over parameter names (e.g. encoder.*)")
         hits = [name for name, _ in named if matches(name, group.params)]
         if not hits:
             raise ConfigError(
@@ -161,6 +157,15 @@ def check(optim: DictConfig) -> None:
     for i, group in enumerate(groups):
         if not OmegaConf.is_dict(group):
             raise ConfigError(f"optim.groups[{i}] must be a mapping: {{params, lr_scale, weight_decay, frozen}}")
+        if unknown := set(group) - set(GROUP_KEYS):
+            raise ConfigError(f"optim.groups[{i}]: unknown key {sorted(unknown)[0]} (keys: {', '.join(GROUP_KEYS)})")
+        if not isinstance(group.get("params"), str):
+            raise ConfigError(f"optim.groups[{i}].params must be a glob over parameter names (e.g. encoder.*)")
+        if not isinstance(group.get("frozen", False), bool):
+            raise ConfigError(f"optim.groups[{i}].frozen={group.frozen} must be true or false")
+        wd = group.get("weight_decay")
+        if wd is not None and (not isinstance(wd, (int, float)) or isinstance(wd, bool) or wd < 0):
+            raise ConfigError(f"optim.groups[{i}].weight_decay={wd} must be null or a number >= 0")
         scale = group.get("lr_scale", 1.0)
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
             raise ConfigError(f"optim.groups[{i}].lr_scale={scale} must be a number >= 0")

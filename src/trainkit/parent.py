@@ -23,7 +23,7 @@ from trainkit.checkpoint import load_model
 from trainkit.dist import env_rank
 from trainkit.errors import ConfigError
 
-WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # as eval.py's weights=
+WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # also eval.py's, predict.py's weights=
 WHY_ABSENT = {
     "best": "the run kept no best checkpoint (checkpoint.monitor=null, or no evaluation)",
     "ema": "the run kept no EMA (trainer.ema.decay=null)",

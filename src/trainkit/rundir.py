@@ -14,9 +14,7 @@ from trainkit.checkpoint import load_model, save_whole
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.halving import EvalBatches
-from trainkit.parent import model_node
-
-WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # weights=<name>: in the run dir
+from trainkit.parent import WEIGHTS, model_node  # weights=<name>: in the run dir
 
 
 def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> DictConfig:

@@ -8,6 +8,8 @@ what the task's `loss_sum` reads. What the engine reads from it, all optional:
 - BatchNorm layers: converted to SyncBN with parallel.sync_bn; activation checkpointing through
   trainkit.recompute (`Staged`, `checkpointed`) keeps the step the same bit for bit.
 - `flops_per_token(length)` and `flops_formula`: a formula the summary prints beside its FLOP count.
+- `layer_of(name)`: the layer of a parameter (0 on the input side, the head last): `optim.layer_decay`'s order
+  (GPT's; model=timm sets it from timm's group_matcher).
 
 Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
 - `Schema`: a dataclass of the yaml's keys: their types are checked (`model.width=abc` refused in one line) and

@@ -21,7 +21,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from trainkit import config, dist, heldout, options
+from trainkit import teacher as teachers
 from trainkit.evaluate import evaluate
+from trainkit.parent import model_node
 from trainkit.precision import autocast_for
 from trainkit.progress import headline
 from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
@@ -36,14 +38,14 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
     options.check_run(run_dir, run_cfg)  # the split is rebuilt here (data=pydoc_text: from this Python's corpus)
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
     dataset, batches, batch_size = split_batches(cfg, run_cfg, d, "evaluation")
-    model = instantiate(run_cfg.model)
+    model = instantiate(model_node(run_cfg))  # less model.init: the run's own weights load next
     load_weights(model, weights)
     precision = cfg.trainer.precision or run_cfg.trainer.precision
     d.print0(
         f"eval | run dir {run_dir} | weights {weights} | split={cfg.split} ({len(dataset)} samples) | "
         f"{d.world_size} rank(s) on {d.device}, batch {batch_size} per rank, {precision} | writing to {out_dir}"
     )
-    task = instantiate(run_cfg.task)
+    task, _ = teachers.build_task(run_cfg.task, run_dir, d.device, own=True)  # task.teacher: the run's copy
     metrics = evaluate(model.to(d.device), batches, d, autocast_for(precision, d.device), task, prefix=cfg.split)
     batches.check()
     if d.is_main:

@@ -4,7 +4,10 @@
 Rebuilds model and data from <run_dir>/.hydra/config.yaml, loads <run_dir>/model.pt (weights=ema:
 model_ema.pt, the EMA of the weights; best: model_best.pt; or a path), predicts
 each rank's contiguous shard, gathers the shards back into dataset order, and rank 0 writes
-predictions.csv and metrics.json into this job's own run dir: the same files for any N.
+predictions.csv and metrics.json into this job's own run dir: the same files for any N. A task whose model
+outputs embeddings (task=contrastive) declares `embeddings`: embeddings.pt, {"index", "split", and the task's
+per-sample tensors, e.g. "embedding" (N, D) and "label" (N,)}, index-aligned in dataset order, for any N (the
+input of retrieval, or of a probe outside trainkit: torch.load(path, weights_only=True)).
 
 The columns are the task's (`predictions`: task=classification's target, prediction and, with
 predict.probs=true, prob_<c>; task=regression's target and prediction), the metrics its own of the whole
@@ -19,11 +22,13 @@ from pathlib import Path
 from typing import cast
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist, heldout, options
+from trainkit import teacher as teachers
+from trainkit.batch import size
 from trainkit.errors import ConfigError
 from trainkit.inference import predict
 from trainkit.precision import autocast_for
@@ -34,13 +39,16 @@ DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
 
 
 def task_results(task, out: dict, probs: bool) -> tuple[dict, list[list]]:
-    """index and the task's own columns (`task.predictions`) per sample, in dataset order, and the task's
-    metrics of the whole split (named <split>/<metric> by the caller) from the gathered outputs."""
-    columns = task.predictions(out["logits"], out["targets"], **({"probs": True} if probs else {}))
-    values = zip(*(column.tolist() for column in columns.values()), strict=True)
-    rows = [["index", *columns]] + [[i, *(_cell(v) for v in row)] for i, row in enumerate(values)]
+    """index and the task's own columns (`task.predictions`) per sample, in dataset order ([] for a task without
+    predictions), and the task's metrics of the whole split (named <split>/<metric> by the caller) from the
+    gathered outputs."""
+    rows = []
+    if hasattr(task, "predictions"):
+        columns = task.predictions(out["logits"], out["targets"], **({"probs": True} if probs else {}))
+        values = zip(*(column.tolist() for column in columns.values()), strict=True)
+        rows = [["index", *columns]] + [[i, *(_cell(v) for v in row)] for i, row in enumerate(values)]
     sums = task.eval_sums(None, out["logits"], out["targets"])  # the whole split at once: the same on any N
-    return task.eval_metrics(sums.tolist()) | {"samples": len(out["targets"])}, rows
+    return task.eval_metrics(sums.tolist()) | {"samples": size(out["targets"])}, rows  # (y, x): samples, not 2
 
 
 def _cell(value) -> str:
@@ -51,10 +59,14 @@ def run(cfg: DictConfig, run_cfg: DictConfig, task, d: dist.Dist, out_dir: Path)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     dataset, loader, batch_size = split_batches(cfg, run_cfg, d, "prediction")
     model, weights = run_model(cfg, run_cfg)
+    model.to(d.device).eval()  # as predict() runs it: prepare_eval's embeddings are the eval mode's
     say_predicting(cfg, weights, len(dataset), batch_size, d, out_dir)
-    out = predict(model.to(d.device), loader, d, autocast, task)  # gathered, on every rank
+    if (prepare := getattr(task, "prepare_eval", None)) is not None:  # e.g. task=contrastive's kNN bank
+        prepare(model, d, autocast)
+    out = predict(model, loader, d, autocast, task)  # gathered, on every rank
     metrics, rows = task_results(task, out, cfg.predict.probs)
-    write_predictions(cfg, out_dir, metrics, rows, d)
+    embedded = task.embeddings(out["logits"], out["targets"]) if hasattr(task, "embeddings") else None
+    write_predictions(cfg, out_dir, metrics, rows, d, embedded)
     return metrics.get(getattr(task, "monitor", "val/loss").split("/")[-1])
 
 
@@ -68,7 +80,8 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     """Load the run's config and check the settings (before the process group: fail fast, on every
     rank alike), join the process group, predict into `out_dir`."""
     run_cfg = load_run_config(cfg, "predict", heldout.SPLITS)
-    task = instantiate(run_cfg.task)
+    # task.teacher (task=distil): the run's copy, on the CPU, where task_results computes the metrics
+    task, _ = teachers.build_task(run_cfg.task, Path(cfg.run_dir), torch.device("cpu"), own=True)
     if (own := getattr(task, "predict_job", None)) is not None:  # task=lm: decoding answers, sampling text
         return own(cfg, run_cfg, out_dir)
     defaults = cast(DictConfig, OmegaConf.load(DEFAULTS))
@@ -78,9 +91,9 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
             f"{', '.join(given)}: sampling settings need a text run (data=pydoc_text); run_dir={cfg.run_dir} "
             f"is a run of data={run_cfg.data.name}"
         )
-    if not hasattr(task, "predictions"):
+    if not hasattr(task, "predictions") and not hasattr(task, "embeddings"):
         raise ConfigError(f"run_dir={cfg.run_dir}: its task ({type(task).__name__}) declares no predictions")
-    if cfg.predict.probs and "probs" not in inspect.signature(task.predictions).parameters:
+    if cfg.predict.probs and "probs" not in inspect.signature(getattr(task, "predictions", run)).parameters:
         raise ConfigError(f"predict.probs=true: the predictions of {type(task).__name__} have no class probabilities")
     options.check_run(Path(cfg.run_dir), run_cfg)  # the split is rebuilt here
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)

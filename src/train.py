@@ -19,7 +19,21 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
+from trainkit import (
+    checkpoint,
+    config,
+    debug,
+    dist,
+    heldout,
+    launch,
+    optim,
+    parent,
+    provenance,
+    pruning,
+    schedules,
+    stop,
+)
+from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpacker
@@ -64,6 +78,7 @@ class StepParts:
     max_norm: float  # trainer.clip_grad_norm; inf: measure the norm, clip nothing
     unpack: Callable  # batch -> (what the model gets, what the loss reads): the task's, else a pair's halves
     bare: bool  # nothing needs more than a plain loop's step: bare_step
+    terms: bool  # the task declares loss_terms: its loss_sum is [loss, *terms], the loss is its first
     # (Plain values, read once: one OmegaConf attribute costs 10-30 us, 4-9 % of the default mlp's step.)
 
     @property
@@ -99,8 +114,8 @@ def bare_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> No
     for batch in micro:
         x, y = s.unpack(batch if windows.on_device else to_device(batch, s.d.device))
         with s.autocast():
-            loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
-        (loss_sum * scale).backward()
+            loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items (loss_terms: [loss, *terms])
+        ((loss_sum[0] if s.terms else loss_sum) * scale).backward()
         losses.append(loss_sum.detach())
     grad_norm = torch.nn.utils.clip_grad_norm_(s.parameters, s.max_norm)
     s.optimizer.step()
@@ -127,8 +142,8 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
                 # set_requires_gradient_sync(False), the unsharded gradients accumulate locally.)
                 with sync_context(s.model, syncs_now(s.strategy, k, len(micro))), s.auto.catching():
                     with s.autocast():
-                        loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items
-                    s.scaler.scale(loss_sum * scale).backward()
+                        loss_sum = s.task.loss_sum(s.model(x), y)  # summed over the batch's items ([loss, *terms])
+                    s.scaler.scale((loss_sum[0] if s.terms else loss_sum) * scale).backward()
                     s.meter.add_micro_step(loss_sum)
         if not s.auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
             break
@@ -155,28 +170,45 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
 
 
 def build_step(
-    cfg: DictConfig, d: dist.Dist, mode: str, net: torch.nn.Module, task, auto: AutoBatch, total_steps: int
+    cfg: DictConfig,
+    d: dist.Dist,
+    mode: str,
+    net: torch.nn.Module,
+    task,
+    auto: AutoBatch,
+    total_steps: int,
+    groups: optim.Plan,
 ) -> StepParts:
-    """The model wrapped for the parallel mode, the optimizer on its wrapped (for FSDP: sharded) parameters, and
-    what else an optimizer step works with."""
+    """The model wrapped for the parallel mode, the optimizer on its wrapped (for FSDP: sharded) parameters in
+    the groups decided by name before wrapping, and what else an optimizer step works with."""
     # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
     wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
     model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
     seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
-    optimizer = optim.build(cfg.optim, model)  # cfg.optim's optimizer over the model's parameters
+    groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
+    if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
+        d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
+    optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     autocast = autocast_for(cfg.trainer.precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
-    meter = TrainMeter(d, comm, task.items_name)
+    meter = TrainMeter(d, comm, task.items_name, getattr(task, "loss_terms", ()))  # terms: rows' loss/<term>
     # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
     coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
     # bare: no sync to skip (one process), no fp16 scaling, no window to skip or run again, no batch-coupled loss
     bare = mode == "single" and not scaler.is_enabled() and guard.deferred and not auto.enabled and coupled is None
-    knobs = cfg.seed, cfg.accumulation.strategy, cfg.trainer.clip_grad_norm or math.inf, unpacker(task), bare
-    parameters = list(model.parameters())
+    knobs = (
+        cfg.seed,
+        cfg.accumulation.strategy,
+        cfg.trainer.clip_grad_norm or math.inf,
+        unpacker(task),
+        bare,
+        bool(meter.terms),
+    )
+    parameters = [p for p in model.parameters() if p.requires_grad]  # clipped: the frozen ones have no gradient
     parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
     return StepParts(*parts, *knobs)
 
@@ -214,12 +246,25 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     epochs = math.ceil(total_steps / steps_per_epoch)
     profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
+    # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
+    checkpointer = checkpoint.Checkpointer(
+        run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
+    )  # FSDP: each rank writes its shards (DCP)
+    resumed = checkpointer.load(cfg.checkpoint.resume)
+
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
-    task = instantiate(cfg.task)  # what is learned: the loss of a batch's items, the evaluation sums
-    net = instantiate(cfg.model)
+    # What is learned: the loss of a batch's items, the evaluation sums; task.teacher: a frozen run beside the model
+    # (a resume reads the copy in its run dir: the teacher's own dir may be gone)
+    task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None)
+    net = instantiate(parent.model_node(cfg))  # cfg.model less model.init
+    # model.init.from: a finished run's weights, before wrapping. Not on a resume: its checkpoint holds the
+    # weights, and the parent's dir may be gone (what the run needs of it is in run_dir/parent).
+    chained = parent.load_into(net, cfg.model.get("init"), d.print0) if resumed is None else None
+    groups = optim.plan(cfg.optim, net)  # by name, on the unwrapped model: carried to DDP's and FSDP's by name
+    groups.freeze(net)  # before wrapping: DDP's buckets and FSDP's reduce-scatters hold only the trainable ones
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
-    efficiency = describe(net, train_set, task, d, cfg.trainer.precision)
-    parts = build_step(cfg, d, mode, net, task, auto, total_steps)  # the wrapped model, its optimizer, ...
+    efficiency = describe(net, train_set, task, d, cfg.trainer.precision, beside={"teacher": teacher})
+    parts = build_step(cfg, d, mode, net, task, auto, total_steps, groups)  # the wrapped model, its optimizer, ...
     model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
     step_once = bare_step if parts.bare else optimizer_step
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
@@ -229,13 +274,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
     trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
 
-    # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
-    checkpointer = checkpoint.Checkpointer(
-        run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
-    )  # FSDP: each rank writes its shards (DCP)
     identity = checkpoint.run_identity(cfg, windows.layout.global_batch, train_set)  # what a resume must not change
     settings = checkpoint.run_settings(cfg)  # what a resume may change
-    resumed = checkpointer.load(cfg.checkpoint.resume)
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
     start = checkpoint.resume(
         resumed, parts, checkpointer, selection, val_batches, windows, identity, settings, total_steps
@@ -245,6 +285,11 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if d.is_main:
         # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
         config.save(cfg, run_dir, getattr(train_set, "files", {}))
+        if chained is not None:  # the parent's weights and config kept with the run, for when its dir is gone
+            chained.copy_into(run_dir / "parent")
+        teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
+        # provenance.json: commit, diff, versions, command, world size, the parents' own records
+        provenance.write(run_dir, cfg, d.world_size, resumed["progress"]["step"] if resumed else None)
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*

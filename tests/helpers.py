@@ -575,3 +575,33 @@ def dropout_masks(run_dir: Path, *overrides: str, nproc: int = 2) -> list[list[t
     importlib.import_module("train")  # once here, not in every forked rank
     overrides = ("model._target_=helpers.dropout_mlp", *overrides)
     return run_distributed(_dropout_masks_worker, nproc, str(run_dir), overrides, group=False)
+
+
+def make_parent(run_dir: Path, *overrides: str, seed: int = 0) -> Path:
+    """A finished run's dir made in a second, without training: the composed config (.hydra/config.yaml) and the
+    initial weights of its model (model.pt). What a run that builds on a run (task.teacher.from) reads."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg(*overrides)
+    torch.manual_seed(seed)
+    model = instantiate(cfg.model)
+    (Path(run_dir) / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, Path(run_dir) / ".hydra" / "config.yaml")
+    torch.save(model.state_dict(), Path(run_dir) / "model.pt")
+    return Path(run_dir)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """torch's SGD that records each of its steps' group lrs (optim._target_=helpers.RecordingSGD): what each
+    parameter group stepped with, in this process."""
+
+    lrs: list[list[float]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        RecordingSGD.lrs = []
+
+    def step(self, closure=None):
+        RecordingSGD.lrs.append([group["lr"] for group in self.param_groups])
+        return super().step(closure)

@@ -122,6 +122,19 @@ def test_bench_launch_times_one_process_and_self_launched_workers():
     assert rows == ["command (trainer.max_steps=2)", "plain", "fork"], proc.stdout
 
 
+@pytest.mark.slow
+def test_bench_finetune_prints_the_probes_ratios_and_reduces_only_the_classifier(tmp_path):
+    out = tmp_path / "bench.json"
+    small = ["model.channels=4", "model.width=16", "data.batch_size=8"]  # a classifier of 16 x 10 + 10
+    proc = run_script(
+        "scripts/bench_finetune.py", "--rounds", "1", "--steps", "4", "--every", "2", "--out", str(out), *small
+    )
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["probe"]["grad_bytes"] == (16 * 10 + 10) * 4 == figures["probe"]["trainable"] * 4
+    assert figures["full"]["grad_bytes"] == figures["full"]["trainable"] * 4 > figures["probe"]["grad_bytes"]
+    assert proc.stdout.count("ratio probe / full: step time ") == 1, proc.stdout
+
+
 def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(tmp_path):
     """scripts/compare_runs.py: max |difference| over every tensor, per common checkpoint step and for model.pt; a
     step only the reference kept is a dash; DDP's "module." prefix is not a difference."""

@@ -15,16 +15,27 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from helpers import ROOT, run_in_process, run_train
-from trainkit import config
+from helpers import ROOT, make_parent, run_in_process, run_train
+from trainkit import config, teacher
 from trainkit.config import ConfigError, micro_batch
 from trainkit.data.vision import torchvision_splits
 from trainkit.dist import Dist
 from trainkit.loading import TrainLoader, draws_random
+from trainkit.parent import load_into, model_node
 from trainkit.tasks.classification import Classification
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+# Experiments that build on a finished run: the key that names it, and the overrides of a run to stand in for it
+# (made on the fly by helpers.make_parent: its config and initial weights, no training)
+PARENTS = {"digits_distil": ("task.teacher.from", ("model=cnn",))}
+
+
+def parent_overrides(name: str, tmp_path: Path) -> list[str]:
+    if name not in PARENTS:
+        return []
+    key, overrides = PARENTS[name]
+    return [f"{key}={make_parent(tmp_path / 'parent', *overrides)}"]
 
 
 def write_fake_cifar10(root: Path, per_batch: int = 4, test: int = 6) -> Path:
@@ -97,12 +108,31 @@ def compose_experiment(name: str, *overrides: str):
         return compose("train", [f"+experiment={name}", *overrides])
 
 
+def parent_of(name: str, tmp_path_factory) -> list[str]:
+    """An experiment that builds on a run (model.init.from: ???, a probe, a fine-tune) gets one made on the fly:
+    the run dir of its parent experiment (the yaml's first command line), its model untrained (the weights'
+    names and shapes are what a child's build checks), as model.init.from; others get nothing."""
+    cfg = compose_experiment(name)
+    if "init" not in cfg.model or not OmegaConf.is_missing(cfg.model.init, "from"):
+        return []
+    text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
+    parent = re.search(r"\+experiment=(\w+)", text).group(1)  # type: ignore[union-attr]
+    run_dir = tmp_path_factory.mktemp(f"parent_{parent}")
+    parent_cfg = compose_experiment(parent)
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(parent_cfg, run_dir / ".hydra" / "config.yaml")
+    torch.save(instantiate(model_node(parent_cfg)).state_dict(), run_dir / "model.pt")
+    return [f"model.init.from={run_dir}"]
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root):
-    cfg = compose_experiment(name, *small("", cifar_root))
+def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root, tmp_path_factory):
+    parents = [*parent_of(name, tmp_path_factory), *parent_overrides(name, tmp_path_factory.mktemp("teacher"))]
+    cfg = compose_experiment(name, *small("", cifar_root), *parents)
     config.check(cfg)
-    instantiate(cfg.model)
-    instantiate(cfg.task)
+    model = instantiate(model_node(cfg))
+    load_into(model, cfg.model.get("init"))  # a parent's weights fit
+    teacher.build_task(cfg.task, None, torch.device("cpu"), own=False)  # the task, with its teacher where it has one
     assert 0 <= instantiate(cfg.sched, total_steps=10)(0) <= 1
     assert config.accumulation_steps(cfg, 1) >= 1
 
@@ -118,11 +148,12 @@ def accumulation_sweep(tmp_path_factory, cifar_root) -> tuple[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request):
+def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request, tmp_path_factory):
     cfg = compose_experiment(name)
     nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
+    overrides += parent_of(name, tmp_path_factory) + parent_overrides(name, tmp_path)
     if name == "accumulation_sweep":  # its sweep under torchrun, which the next test reads too
         nproc = 2
         stdout, sweep = request.getfixturevalue("accumulation_sweep")

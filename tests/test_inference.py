@@ -187,3 +187,49 @@ def test_bad_run_dir_is_one_line_with_exit_2(trained, tmp_path, case, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+class _PairTarget:
+    """A task whose loss reads a structured target, (label, input) (task=distil's): its fields are no samples."""
+
+    eval_width = 2
+
+    def predictions(self, output, target):
+        return {"target": target[0], "prediction": output.argmax(dim=1)}
+
+    def eval_sums(self, inputs, output, target):
+        correct = (output.argmax(dim=1) == target[0]).sum().double()
+        return torch.stack([correct, torch.tensor(float(len(target[0])), dtype=torch.float64)])
+
+    def eval_metrics(self, sums):
+        return {"acc": sums[0] / sums[1]}
+
+
+def test_predict_counts_the_samples_of_a_structured_target_not_its_fields():
+    from predict import task_results  # issue 45, 6: "acc ... on 2 val samples" and "samples": 2 for 359
+
+    torch.manual_seed(0)
+    out = {"logits": torch.randn(359, 3), "targets": (torch.randint(0, 3, (359,)), torch.randn(359, 4))}
+    metrics, rows = task_results(_PairTarget(), out, probs=False)
+    assert metrics["samples"] == 359 and len(rows) == 1 + 359
+
+
+def test_predict_writes_a_contrastive_run_s_embeddings_index_aligned_on_1_and_2_ranks(tmp_path):
+    """task=contrastive has no predictions but declares `embeddings`: embeddings.pt, every val sample once in
+    dataset order (359: a multiple of neither 2 ranks nor the batch of 64), the same on 1 and 2 ranks."""
+    from helpers import make_parent
+
+    run_dir = make_parent(tmp_path / "simclr", "+experiment=digits_simclr")  # its initial weights: no training
+    written = []
+    for nproc in (1, 2):
+        out = tmp_path / f"predict{nproc}"
+        run_in_process(out, f"run_dir={run_dir}", "batch_size=64", script="predict", nproc=nproc)
+        written.append(torch.load(out / "embeddings.pt", weights_only=True))
+        assert not (out / "predictions.csv").exists()
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["samples"] == 359 and 0 <= metrics["knn_acc"] <= 1
+    one, two = written
+    labels = torch.tensor([int(y) for _, y in digits(0.2, 0.2)[1]])
+    assert one["split"] == "val" and one["index"].tolist() == list(range(359)) and one["label"].equal(labels)
+    assert one["embedding"].shape[0] == 359 and torch.allclose(one["embedding"], two["embedding"], atol=1e-6)
+    assert two["index"].equal(one["index"]) and two["label"].equal(labels)

@@ -35,7 +35,8 @@ def test_wandb_run_offline_with_the_nested_config(tmp_path):
     assert len(runs) == 1
     wandb_file = next(runs[0].glob("*.wandb"))
     data = wandb_file.read_bytes()
-    for key in (b"accumulation", b"global_batch_size", b"trainer", b"clip_grad_norm", b"val/acc", b"grad_norm"):
+    keys = (b"accumulation", b"global_batch_size", b"trainer", b"clip_grad_norm", b"val/acc", b"grad_norm")
+    for key in (*keys, b"provenance", b"versions", b"hydra-core"):  # W&B's config has provenance.json's record
         assert key in data, key
 
 

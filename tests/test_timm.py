@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from torch.distributed.fsdp import FSDPModule
 
 from helpers import compose_cfg, max_diff, run_distributed, run_in_process, run_train, weights
-from trainkit import config
+from trainkit import config, optim
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.models.timm import timm_model
@@ -176,3 +176,11 @@ def test_activation_checkpointing_is_the_same_step_bit_for_bit(name):
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)  # BatchNorm's running statistics too
     blocks = len(fsdp_units(model))
     assert recomputed == [blocks, 2 * blocks]  # each block once in forward, once more in backward
+
+
+def test_layer_decay_follows_timms_group_matcher():
+    resnet = compose_cfg("model=timm", "model.name=resnet18", "optim.layer_decay=0.5")
+    config.typed(resnet)
+    settings = optim.plan(resnet.optim, instantiate(resnet.model)).settings  # stem 0, 8 blocks, the head 9
+    assert settings["conv1.weight"][0] == 0.5**9 and settings["layer4.1.conv2.weight"][0] == 0.5
+    assert settings["fc.weight"][0] == 1

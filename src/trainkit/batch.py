@@ -27,6 +27,13 @@ def leaves(batch: Any) -> list[torch.Tensor]:
     return found
 
 
+def size(batch: Any) -> int:
+    """How many samples a batch of any shape holds (not how many fields): its tensors' length along dim 0, the
+    dimension `emptied` cuts and `joined` concatenates; 0 for a batch without a tensor."""
+    found = leaves(batch)
+    return len(found[0]) if found else 0
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """The batch with `fn` applied to each tensor, its structure (and anything not a tensor) kept."""
     if isinstance(batch, torch.Tensor):

@@ -362,12 +362,16 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "data.shuffle": cfg.data.get("shuffle", True),  # the epoch's order
         "optim._target_": cfg.optim._target_,
         "optim.decay_norms_and_biases": cfg.optim.get("decay_norms_and_biases", True),  # its parameter groups
+        "optim.groups": OmegaConf.to_container(cfg.optim.groups, resolve=True) if cfg.optim.get("groups") else [],
+        "optim.layer_decay": cfg.optim.get("layer_decay"),
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
         "data.train_samples": len(train_set),  # last (a key above names a change first): e.g. debug=limit's
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
+    for key in [k for k in identity if k.startswith("model.init.")]:  # where step 0's weights came from: the
+        del identity[key]  # checkpoint holds them (the parent may have moved or be gone: a resume never reads it)
     return identity
 
 
@@ -377,7 +381,11 @@ def run_settings(cfg: DictConfig) -> dict:
     return flatten(OmegaConf.to_container(cfg, resolve=True))
 
 
-BEFORE_RECORDED = {"data.shuffle": True}  # what a checkpoint written before a key joined the identity ran with
+BEFORE_RECORDED = {
+    "data.shuffle": True,
+    "optim.groups": [],
+    "optim.layer_decay": None,
+}  # what a checkpoint written before a key joined the identity ran with
 
 
 def check_compatible(saved: dict, current: dict) -> None:

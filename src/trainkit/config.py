@@ -28,7 +28,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from trainkit import dist, launch, loggers, options, schema, stop
+from trainkit import dist, launch, loggers, optim, options, parent, schema, stop
 from trainkit.errors import ConfigError, RunError, user_error
 from trainkit.precision import PRECISIONS
 
@@ -287,6 +287,8 @@ def check(cfg: DictConfig) -> None:
         _non_negative("sched.warmup_steps", cfg.sched.warmup_steps, integer=True)
     if "min_ratio" in cfg.sched and not (_is_number(cfg.sched.min_ratio) and 0 <= cfg.sched.min_ratio <= 1):
         raise ConfigError(f"sched.min_ratio={cfg.sched.min_ratio} must be a number in [0, 1]")
+    optim.check(cfg.optim)  # optim.groups, layer_decay (the names are checked against the model as it is built)
+    parent.check(cfg.model.get("init"))  # model.init (the parent itself is read as the model is built)
     _check_agreement(cfg)
     if cfg.parallel.mode == "fsdp":
         _check_fsdp(cfg)

@@ -69,6 +69,7 @@ class CoupledWindows:
         # graph-free pass takes the plain module (no collective in it). FSDP2's module is the plain one.
         self.plain = model.module if isinstance(model, DDP) else model
         self.buffers = list(self.plain.buffers())
+        self.terms = bool(getattr(task, "loss_terms", ()))  # loss_sum: [loss, *terms] (the task contract)
         if line := note(self.plain, auto.K, d.world_size):
             d.print0(line)
 
@@ -104,8 +105,8 @@ class CoupledWindows:
         sizes = gather(mine, self.d).tolist()  # every rank's rows, in rank order
         everyone = gather(local, self.d).requires_grad_()
         target = gather(torch.cat(targets), self.d)
-        loss_sum = self.task.loss_sum(everyone, target)
-        self.scaler.scale(loss_sum * scale).backward()
+        loss_sum = self.task.loss_sum(everyone, target)  # loss_terms: [loss, *terms], the loss first
+        self.scaler.scale((loss_sum[0] if self.terms else loss_sum) * scale).backward()
         # The loss of the global batch, once (not once per rank) in the meter's all-reduced sums
         self.meter.add_micro_step(loss_sum if self.d.rank == 0 else loss_sum * 0)  # 0 x nan: a rank's nan still shows
         start = sum(sizes[: self.d.rank])

@@ -16,6 +16,8 @@ from typing import Protocol, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit import provenance
+
 RUN_ID = "logger_run_id"  # the checkpoint's key for Backend.run_id
 OLD_RUN_ID = "wandb_run_id"  # what checkpoints written before the rename hold
 
@@ -91,7 +93,7 @@ class WandbLogger:
             tags=list(cfg.logger.tags),
             dir=str(run_dir),
             mode=wandb_mode(),  # type: ignore[arg-type]  # WANDB_MODE as the user set it
-            config=cast(dict, OmegaConf.to_container(cfg, resolve=True)),
+            config=cast(dict, OmegaConf.to_container(cfg, resolve=True)) | {"provenance": provenance.brief(run_dir)},
             id=run_id,
             resume="allow" if run_id else None,
         )

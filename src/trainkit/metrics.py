@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from trainkit.errors import ConfigError
+
 clock = time.perf_counter  # what TrainMeter's throughput (samples/s) is measured by; time/data_wait: perf_counter
 
 
@@ -51,10 +53,15 @@ class TrainMeter:
     Per step it does no tensor arithmetic: a micro-step's loss and a step's norm are kept as they are
     and summed (one stack, a float64 sum each) before a row, a finiteness check or a checkpoint reads
     them, and every PENDING of them (memory stays bounded): the per-step adds cost ~25 us, 3 % of the
-    default job's step. Counts of samples (not tensors) are Python numbers."""
+    default job's step. Counts of samples (not tensors) are Python numbers.
 
-    def __init__(self, d, comm, items_name: str | None = None):
-        self.d, self.comm, self.items_name = d, comm, items_name
+    `terms`: the task's `loss_terms` (e.g. ("ce", "kd")): its loss_sum is then a vector [loss, *terms], each
+    summed over the items; every sum here is that vector (the same code: stacked and summed along dim 0), and
+    a row adds `loss/<term>`, each over the row's items as the loss is. Without terms: scalars, as before."""
+
+    def __init__(self, d, comm, items_name: str | None = None, terms: tuple[str, ...] = ()):
+        self.d, self.comm, self.items_name, self.terms = d, comm, items_name, tuple(terms)
+        self.shape = (1 + len(self.terms),) if self.terms else ()  # of a loss sum: [loss, *terms], or a scalar
         self.samples = self.skipped = 0
         self.items: int | torch.Tensor = 0  # a tensor where the data counts them (tokens)
         self.window: list[torch.Tensor] = []  # this window's micro-step loss sums, this rank
@@ -62,7 +69,7 @@ class TrainMeter:
         self._reset()
 
     def _reset(self):
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
+        self.loss_sum = torch.zeros(self.shape, dtype=torch.float64, device=self.d.device)
         self.norm_sum = torch.zeros((), dtype=torch.float64, device=self.d.device)
         self.losses: list[torch.Tensor] = []  # not yet in loss_sum / norm_sum
         self.norms: list[torch.Tensor] = []
@@ -86,7 +93,7 @@ class TrainMeter:
 
     @property
     def window_loss(self) -> torch.Tensor:
-        """This rank's loss sum of the window so far (float64)."""
+        """This rank's loss sum of the window so far (float64; with loss terms, of them too: a finiteness check)."""
         if not self.window:
             return torch.zeros((), dtype=torch.float64, device=self.d.device)
         return torch.stack(self.window).sum(dtype=torch.float64)
@@ -129,7 +136,11 @@ class TrainMeter:
         """The pending losses and norms into the float64 sums (the same steps in a resumed run: rows,
         checks and checkpoints call it at the steps they happen, and PENDING counts from the last)."""
         if self.losses:
-            self.loss_sum += torch.stack(self.losses).sum(dtype=torch.float64)
+            stacked = torch.stack(self.losses)
+            if stacked.shape[1:] != self.shape:  # checked here, per row, not per micro-step
+                need = f"its loss_terms {self.terms} need {self.shape}: [loss, *terms]" if self.terms else "a scalar"
+                raise ConfigError(f"the task's loss_sum returned a tensor of shape {tuple(stacked.shape[1:])}: {need}")
+            self.loss_sum += stacked.sum(0, dtype=torch.float64)
         if self.norms:
             self.norm_sum += torch.stack(self.norms).sum(dtype=torch.float64)
         self.losses, self.norms = [], []
@@ -137,7 +148,7 @@ class TrainMeter:
     def finite(self) -> bool:
         """Are the sums since the last row finite on every rank? (One all-reduce, a host sync.)"""
         self._sum()
-        ok = torch.isfinite(self.loss_sum) & torch.isfinite(self.norm_sum)
+        ok = torch.isfinite(self.loss_sum).all() & torch.isfinite(self.norm_sum)
         return not self.d.any(~ok)
 
     def state_dict(self) -> dict:
@@ -158,6 +169,11 @@ class TrainMeter:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state["loss_sum"].shape != self.shape:
+            raise ConfigError(
+                f"checkpoint.resume: the checkpoint's loss sums have shape {tuple(state['loss_sum'].shape)}, this "
+                f"task's loss_terms {self.terms} need {self.shape}; resume with the task it was written with"
+            )
         self.loss_sum.copy_(state["loss_sum"])
         self.norm_sum.copy_(state["norm_sum"])
         self.losses, self.norms = [], []
@@ -171,12 +187,15 @@ class TrainMeter:
     def row(self) -> dict:
         """Means since the last row; an all-reduce, so every rank must call it at the same step."""
         self._sum()
-        loss_sum = self.d.all_reduce_sum(self.loss_sum).item()
+        sums = self.d.all_reduce_sum(self.loss_sum).tolist()  # one all-reduce and host sync, also with terms
+        loss_sum, *term_sums = sums if self.terms else [sums]
         counted = self.steps - self.row_skipped
         elapsed = clock() - self.started
         row_items = float(self.row_items)
+        mean = lambda total: total / row_items if counted else float("nan")  # noqa: E731
         row = {
-            "loss": loss_sum / row_items if counted else float("nan"),
+            "loss": mean(loss_sum),
+            **{f"loss/{name}": mean(total) for name, total in zip(self.terms, term_sums, strict=True)},
             "grad_norm": self.norm_sum.item() / counted if counted else float("nan"),
             "samples": self.samples,
             **({self.items_name: int(self.items)} if self.items_name else {}),

@@ -1,22 +1,171 @@
-"""The optimizer of a run: `cfg.optim` (a partial of a torch optimizer) over the model's parameters.
+"""The optimizer of a run: `cfg.optim` (a partial of a torch optimizer) over the model's parameter groups, which
+are decided BY NAME on the unwrapped model, before wrapping (`plan`), and carried to the wrapped model by name
+(`build`): DDP keeps the parameters (its names gain `module.`), FSDP2's fully_shard replaces every Parameter by
+its DTensor shard, so a group made of the parameter objects seen before sharding would silently be lost.
 
-`optim.decay_norms_and_biases=false` puts the parameters with fewer than 2 dimensions (biases,
-LayerNorm and BatchNorm gains) in a group of their own without weight decay, the rule of nanoGPT and
-most transformer recipes; the matrices and embeddings keep `optim.weight_decay`. Measured on
-+experiment=pydoc_gpt (a nanoGPT loop on its split, 2000 steps): decaying every parameter ends
-0.021 nats per character higher."""
+What decides a parameter's group, later rules over earlier ones:
+- `optim.decay_norms_and_biases=false`: parameters with fewer than 2 dimensions (biases, LayerNorm and BatchNorm
+  gains) without weight decay, the rule of nanoGPT and most transformer recipes. Measured on
+  +experiment=pydoc_gpt (a nanoGPT loop on its split, 2000 steps): decaying every parameter ends 0.021 nats per
+  character higher.
+- `optim.layer_decay=<d>`: lr x d^(L - layer) for models that declare their layer order (a `layer_of(name)`
+  method: 0 for the input side, L for the head: GPT, timm's models through timm's group_matcher).
+- `optim.groups`: a list of {params: a glob over parameter names, lr_scale, weight_decay, frozen}; a parameter
+  matched by two is refused, the unmatched ones keep the defaults. `frozen: true`: requires_grad=False before
+  wrapping, so the parameter is in no optimizer group, no clipping norm and no gradient sync (DDP builds its
+  buckets of the parameters that require a gradient; FSDP2 reduce-scatters only gradients that exist), and the
+  BatchNorm layers whose parameters are all frozen keep their running statistics (eval mode) unless
+  `optim.frozen_batchnorm=train`.
+Each group's lr is optim.lr x its lr_scale, moved by the schedule (LambdaLR scales each group's initial lr; a
+resume recomputes them from this run's config: checkpoint._apply_hyperparameters).
+"""
+
+import fnmatch
+import types
+from dataclasses import dataclass
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit.errors import ConfigError
 
-def build(optim: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen")
+FROZEN_BATCHNORM = ("eval", "train")  # optim.frozen_batchnorm
+TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm")  # not the optimizer's
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A glob over parameter names (`encoder.*`); a pattern without wildcards also matches a prefix of modules
+    (`encoder` is `encoder.*`)."""
+    return fnmatch.fnmatchcase(name, pattern) or (
+        not any(c in pattern for c in "*?[") and name.startswith(pattern + ".")
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Each parameter's group, by name: {name: (lr_scale, weight_decay or None for the optimizer's)}, and the
+    frozen names."""
+
+    settings: dict[str, tuple[float, float | None]]
+    frozen: frozenset[str]
+    frozen_batchnorm: str = "eval"
+
+    def freeze(self, model: torch.nn.Module) -> None:
+        """requires_grad=False for the frozen parameters (by name; before wrapping, and again after it on the
+        unwrapped model: SyncBN conversion and FSDP2 make new Parameter objects)."""
+        for name, p in model.named_parameters():
+            if name in self.frozen:
+                p.requires_grad_(False)
+
+    def hold_batchnorm(self, model: torch.nn.Module) -> list[str]:
+        """The BatchNorm layers whose parameters are all frozen stay in eval mode (their running statistics the
+        parent's) whatever model.train() says; optim.frozen_batchnorm=train: they train as before. Returns their
+        names. Called on the unwrapped model after wrapping (SyncBN conversion makes new modules)."""
+        if self.frozen_batchnorm == "train" or not self.frozen:
+            return []
+        held = []
+        for name, module in model.named_modules():
+            own = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and own and set(own) <= self.frozen:
+                module.train = types.MethodType(_stays_in_eval, module)  # type: ignore[method-assign]
+                module.eval()
+                held.append(name)
+        return held
+
+
+def _stays_in_eval(self: torch.nn.Module, mode: bool = True) -> torch.nn.Module:
+    """A frozen BatchNorm's train(): eval, whatever the mode (nn.Module.train calls each child's train)."""
+    return torch.nn.Module.train(self, False)
+
+
+def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
+    """The groups of `model`'s (unwrapped) parameters, by name."""
+    named = list(model.named_parameters())
+    decay_all = optim.get("decay_norms_and_biases", True)
+    settings: dict[str, tuple[float, float | None]] = {
+        name: (1.0, None if decay_all or p.dim() >= 2 else 0.0) for name, p in named
+    }
+    if (decay := optim.get("layer_decay")) is not None:
+        layer_of = getattr(model, "layer_of", None)
+        if layer_of is None:
+            raise ConfigError(
+                f"optim.layer_decay={decay}: {type(model).__name__} declares no layer order (a layer_of(name) "
+                "method: GPT, model=timm); use optim.groups' lr_scale instead"
+            )
+        layers = {name: layer_of(name) for name, _ in named}
+        last = max(layers.values())
+        settings = {name: (decay ** (last - layers[name]), wd) for name, (_, wd) in settings.items()}
+    frozen: set[str] = set()
+    owner: dict[str, int] = {}
+    for i, group in enumerate(optim.get("groups") or []):
+        hits = [name for name, _ in named if matches(name, group.params)]
+        if not hits:
+            raise ConfigError(
+                f"optim.groups[{i}].params={group.params} matches no parameter (they are: "
+                f"{', '.join(name for name, _ in named[:4])}{' ...' if len(named) > 4 else ''})"
+            )
+        for name in hits:
+            if name in owner:
+                raise ConfigError(
+                    f"optim.groups[{i}].params={group.params} and optim.groups[{owner[name]}] both match {name}"
+                )
+            owner[name] = i
+            scale, wd = settings[name]
+            settings[name] = (scale * group.get("lr_scale", 1.0), group.get("weight_decay", wd))
+            if group.get("frozen", False):
+                frozen.add(name)
+    return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"))
+
+
+def build(optim: DictConfig, model: torch.nn.Module, groups: Plan | None = None) -> torch.optim.Optimizer:
+    """cfg.optim's optimizer over `model`'s parameters (the UNWRAPPED module after wrapping: under FSDP its
+    DTensor shards), grouped by name by `groups` (None: planned on `model` itself); frozen ones left out."""
+    plan_ = plan(optim, model) if groups is None else groups
     kwargs = OmegaConf.to_container(optim, resolve=True)
     assert isinstance(kwargs, dict)
-    decay_all = kwargs.pop("decay_norms_and_biases", True)  # trainkit's key, not the optimizer's
-    params = list(model.parameters())
-    if decay_all:
-        return instantiate(kwargs)(params)
-    matrices, vectors = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
-    return instantiate(kwargs)([{"params": matrices}, {"params": vectors, "weight_decay": 0.0}])
+    for key in TRAINKIT_KEYS:
+        kwargs.pop(key, None)
+    lr = kwargs["lr"]
+    by_setting: dict[tuple[float, float | None], list[torch.nn.Parameter]] = {}  # in the parameters' order
+    for name, p in model.named_parameters():
+        if name not in plan_.frozen:
+            by_setting.setdefault(plan_.settings[name], []).append(p)
+    if not by_setting:
+        raise ConfigError("optim.groups: every parameter is frozen: nothing to train")
+    param_groups = []
+    for (scale, wd), params in by_setting.items():
+        group: dict = {"params": params, "lr": lr * scale}
+        if wd is not None:
+            group["weight_decay"] = wd
+        param_groups.append(group)
+    return instantiate(kwargs)(param_groups)
+
+
+def check(optim: DictConfig) -> None:
+    """Values refused before anything runs (the names are checked against the model in `plan`)."""
+    if (decay := optim.get("layer_decay")) is not None and not (
+        isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1
+    ):
+        raise ConfigError(f"optim.layer_decay={decay} must be null or a number in (0, 1]")
+    if (mode := optim.get("frozen_batchnorm", "eval")) not in FROZEN_BATCHNORM:
+        raise ConfigError(f"optim.frozen_batchnorm={mode} is not one of: {', '.join(FROZEN_BATCHNORM)}")
+    groups = optim.get("groups") or []
+    if not OmegaConf.is_list(groups) and not isinstance(groups, list):
+        raise ConfigError("optim.groups must be a list of {params, lr_scale, weight_decay, frozen}")
+    for i, group in enumerate(groups):
+        if not OmegaConf.is_dict(group):
+            raise ConfigError(f"optim.groups[{i}] must be a mapping: {{params, lr_scale, weight_decay, frozen}}")
+        if unknown := set(group) - set(GROUP_KEYS):
+            raise ConfigError(f"optim.groups[{i}]: unknown key {sorted(unknown)[0]} (keys: {', '.join(GROUP_KEYS)})")
+        if not isinstance(group.get("params"), str):
+            raise ConfigError(f"optim.groups[{i}].params must be a glob over parameter names (e.g. encoder.*)")
+        if not isinstance(group.get("frozen", False), bool):
+            raise ConfigError(f"optim.groups[{i}].frozen={group.frozen} must be true or false")
+        wd = group.get("weight_decay")
+        if wd is not None and (not isinstance(wd, (int, float)) or isinstance(wd, bool) or wd < 0):
+            raise ConfigError(f"optim.groups[{i}].weight_decay={wd} must be null or a number >= 0")
+        scale = group.get("lr_scale", 1.0)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
+            raise ConfigError(f"optim.groups[{i}].lr_scale={scale} must be a number >= 0")

@@ -60,6 +60,10 @@ def typed(cfg: DictConfig) -> None:
             schema = derived(OmegaConf.select(cfg, TARGETS[group]), group == "data", _hydra_keys(cfg[group], group))
         if schema is None or OmegaConf.get_type(cfg[group]) is schema:
             continue
+        if group == "model" and "init" in cfg.model:  # model.init (trainkit/parent.py): the engine's key, not the
+            schema = _with_init(schema)  # model's (config.check types it; `from` is no dataclass field name)
+            if OmegaConf.get_type(cfg[group]) is schema:
+                continue
         try:
             node = OmegaConf.merge(OmegaConf.structured(schema), cfg[group])
         except Exception as error:
@@ -110,6 +114,12 @@ def _typeable(annotation, default) -> bool:
     except Exception:  # omegaconf's ValidationError and the like: an annotation it does not know
         return False
     return True
+
+
+@functools.cache
+def _with_init(schema: type) -> type:
+    """The model's Schema with trainkit's `init` key beside its own."""
+    return dataclasses.make_dataclass(schema.__name__, [("init", Any, None)], bases=(schema,))
 
 
 def check(cfg: DictConfig) -> None:

@@ -10,12 +10,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, heldout
-from trainkit.checkpoint import load_model
+from trainkit.checkpoint import load_model, save_whole
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.halving import EvalBatches
-
-WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # weights=<name>: in the run dir
+from trainkit.parent import WEIGHTS, model_node  # weights=<name>: in the run dir
 
 
 def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> DictConfig:
@@ -39,18 +38,27 @@ def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> Di
     return run_cfg
 
 
-def write_predictions(cfg: DictConfig, out_dir: Path, metrics: dict, rows: list[list], d: Dist) -> None:
-    """predictions.csv (rows: a header, then one row per sample in dataset order) and metrics.json in out_dir,
-    rank 0; then the `done:` line of the metrics' numbers."""
+def write_predictions(
+    cfg: DictConfig, out_dir: Path, metrics: dict, rows: list[list], d: Dist, embedded: dict | None = None
+) -> None:
+    """predictions.csv (rows: a header, then one row per sample in dataset order; none: no file), embeddings.pt
+    (`embedded`: the task's per-sample tensors, with "index" and "split") and metrics.json in out_dir, rank 0;
+    then the `done:` line of the metrics' numbers."""
+    wrote = [name for name, what in (("predictions.csv", rows), ("embeddings.pt", embedded)) if what]
     if d.is_main:
         config.save(cfg, out_dir)
-        with open(out_dir / "predictions.csv", "w") as f:
-            f.writelines(",".join(map(str, row)) + "\n" for row in rows)
+        if rows:
+            with open(out_dir / "predictions.csv", "w") as f:
+                f.writelines(",".join(map(str, row)) + "\n" for row in rows)
+        if embedded:
+            index = torch.arange(metrics["samples"])  # dataset order: row i is sample i of the split
+            save_whole({"index": index, "split": str(cfg.split), **embedded}, out_dir / "embeddings.pt")
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     numbers = {key: value for key, value in metrics.items() if isinstance(value, float)}
     d.print0(
         f"done: {', '.join(f'{key} {value:.4f}' for key, value in numbers.items())}"
-        f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / 'predictions.csv'} and metrics.json"
+        f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / wrote[0]}"
+        f"{''.join(f', {name}' for name in wrote[1:])} and metrics.json"
     )
 
 
@@ -79,7 +87,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
 def run_model(cfg: DictConfig, run_cfg: DictConfig) -> tuple[torch.nn.Module, Path]:
     """The run's model (on the CPU) with the weights `cfg.weights` names, and their file."""
-    model = instantiate(run_cfg.model)
+    model = instantiate(model_node(run_cfg))  # less model.init: the run's own weights load next
     weights = weights_path(Path(cfg.run_dir), cfg.weights)
     load_weights(model, weights)
     return model, weights

@@ -149,6 +149,10 @@ class AdamW:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # torch's default
     eps: float = 1e-8  # torch's default: added to sqrt(v), the floor under a parameter's step size
     decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
+    # Parameter groups by name (trainkit/optim.py): [{params: <glob>, lr_scale, weight_decay, frozen}, ...]
+    groups: list[Any] = field(default_factory=list)
+    layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
+    frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
 
 
 @dataclass
@@ -160,6 +164,10 @@ class SGD:
     weight_decay: float = 0.0
     nesterov: bool = False
     decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
+    # Parameter groups by name (trainkit/optim.py): [{params: <glob>, lr_scale, weight_decay, frozen}, ...]
+    groups: list[Any] = field(default_factory=list)
+    layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
+    frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
 
 
 @dataclass

@@ -158,9 +158,13 @@ def _count(n: float) -> str:
     return f"{n:.3g}"
 
 
-def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Efficiency:
+def describe(
+    model: nn.Module, dataset, task, d: Dist, precision: str, beside: dict[str, nn.Module | None] | None = None
+) -> Efficiency:
     """The summary of the unwrapped model (rank 0 prints it), measured on the first training sample.
-    The model goes to its device first (wrap() would move it there anyway) so the forward runs there."""
+    The model goes to its device first (wrap() would move it there anyway) so the forward runs there.
+    beside: frozen modules the task runs next to the model ({"teacher": ...}; None: absent), on the device
+    already: their parameters, size and forward FLOPs per sample, as `<name>_params`, ... (no training FLOPs)."""
     model.to(d.device)
     counts = parameters(model)
     facts: dict = {
@@ -201,6 +205,9 @@ def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Effici
         lines.append(f"FLOPs per sample: {_count(forward)} forward, {_count(train)} training (3x forward)")
     if train:
         facts["flops_per_sample"] = train
+    for name, module in (beside or {}).items():
+        if module is not None:
+            lines.append(_beside(name, module, x, d.device, facts))
     peak = None
     if d.device.type == "cuda":
         name = torch.cuda.get_device_name(d.device)
@@ -212,6 +219,20 @@ def describe(model: nn.Module, dataset, task, d: Dist, precision: str) -> Effici
             lines.append(f"mfu against {name}'s dense {precision} peak {peak / 1e12:g} TFLOP/s per device")
     d.print0("\n".join(lines))
     return Efficiency(d, train or None, peak, facts)
+
+
+def _beside(name: str, module: nn.Module, x, device: torch.device, facts: dict) -> str:
+    """A frozen module's summary line; its facts into `facts`."""
+    count = parameters(module)["total"]
+    try:
+        forward = float(forward_flops(module, x, device))
+    except Exception:  # the summary never stops a run
+        forward = 0.0
+    facts |= {f"{name}_params": count, f"{name}_size_mb": size_bytes(module) / 1e6}
+    facts |= {f"{name}_flops_forward_per_sample": forward} if forward else {}
+    flops = f" | {_count(forward)} FLOPs forward per sample" if forward else ""
+    size = f"{size_bytes(module) / 1e6:.2f} MB"
+    return f"{name}: {_count(count)} parameters, frozen (no gradient, in no checkpoint) | {size}{flops}"
 
 
 def announce(

@@ -64,6 +64,13 @@ class GPT(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
+    def layer_of(self, name: str) -> int:
+        """optim.layer_decay's order (trainkit/optim.py): the embeddings 0, block i i + 1, the final norm (and the
+        head, tied to the token embedding: its parameter is wte's) n_layer + 1."""
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return 0 if name.startswith(("wte.", "wpe.")) else len(self.blocks) + 1
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(positions))

@@ -90,10 +90,26 @@ def timm_model(
         check_input(model, name, args, takes_size, in_chans, img_size)
     units = block_classes(model)
     model.shard_units = units or None  # type: ignore[assignment]  # None: trainkit's default units
+    model.layer_of = layer_order(model)  # optim.layer_decay's order
     if activation_checkpointing:
         for block in outermost(model, units):
             checkpoint_forward(block)
     return model
+
+
+def layer_order(model: nn.Module):
+    """optim.layer_decay's layer of each parameter name (trainkit/optim.py), timm's own: its group_matcher's
+    fine groups (stem 0, each block, the head last), as timm's param_groups_layer_decay numbers them; a model
+    without a group_matcher: timm's auto_group_layers. Names it does not list: the last layer, as timm does."""
+    from timm.models import group_parameters
+    from timm.optim._param_groups import auto_group_layers
+
+    if (matcher := getattr(model, "group_matcher", None)) is not None:
+        layers = group_parameters(model, matcher(coarse=False), reverse=True)
+    else:
+        layers = auto_group_layers(model)
+    last = max(layers.values())
+    return lambda name: layers.get(name, last)
 
 
 FIT_SIZES = (16, 32, 64, 128, 224, 256, 384, 512, 1024)  # the square sizes tried for "what would fit"

@@ -21,6 +21,15 @@ Optional:
 - `couples_batch = True`: the loss couples a batch's items (a contrastive loss): `loss_sum` gets the outputs
   of the whole global window at once, exact across micro-batches and ranks (trainkit/coupled.py).
 - `predictions(output, target)`: predict.py's columns {name: tensor of one value per sample}.
+- `embeddings(output, target)`: predict.py's embeddings.pt {name: tensor (N, ...)} of the split, e.g. an
+  encoder's embedding and the label (task=contrastive): index-aligned in dataset order, the same on any N.
+- `loss_terms = ("ce", "kd")`: the loss has terms. `loss_sum` then returns a 1-D tensor [loss, *terms], each
+  summed over the batch's items as the loss is (the loop backpropagates element 0); train rows add
+  `loss/<term>`, the mean over the row's items like `loss`, all-reduced, checkpointed and merged on a resume
+  exactly like it. A task without loss_terms returns a scalar (and pays nothing).
+- a `teacher` node in its yaml ({from: <run dir>, weights: last|best|ema}): its constructor's `teacher`
+  argument is then the frozen module the engine built from that run, not the node (trainkit/teacher.py: eval
+  mode, no_grad, on the device, never wrapped, in no checkpoint; task=distil).
 - `predict_job(cfg, run_cfg, out_dir)`: a task that predicts its own way (task=lm: decoding, sampling).
 
 The yaml's keys are the task's constructor arguments, written once: trainkit/options.py derives their schema from

@@ -99,6 +99,10 @@ class Contrastive:
         correct, samples = sums
         return {"knn_acc": correct / samples}
 
+    def embeddings(self, output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        """predict.py's embeddings.pt: the encoder's embedding of every sample (eval mode) and its label."""
+        return {"embedding": output, "label": target}
+
 
 def nt_xent(output: torch.Tensor, temperature: float) -> torch.Tensor:
     """Each view's NT-Xent loss: rows 2i and 2i+1 of `output` are sample i's two views (float32)."""

@@ -1,0 +1,192 @@
+"""A run that builds on a finished run: its parent (a run dir, or a .pt file of weights). `Parent.open` finds the
+weights and the config, `state_dict` reads the weights, `build_model` rebuilds the parent's model with them (a
+teacher), `copy_into` keeps what a chained run needs of its parent in the chained run's own dir, and `load_into`
+starts a new model from the parent's weights (`model.init.*`: renamed or dropped prefixes, strict or not).
+
+Every rank reads the same file itself (no rank 0 read and broadcast): the weights are loaded before wrapping,
+where a broadcast would need the process group's device tensors for every key and would differ between DDP
+(which broadcasts rank 0's parameters anyway) and FSDP (which shards what each rank holds); a file read needs no
+collective, so a missing file fails every rank alike before the first one, and the run dir is on a file
+system all ranks see already (checkpoints, DCP). torch.load(weights_only=True): a parent may come from anyone.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from trainkit.checkpoint import load_model
+from trainkit.dist import env_rank
+from trainkit.errors import ConfigError
+
+WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # also eval.py's, predict.py's weights=
+WHY_ABSENT = {
+    "best": "the run kept no best checkpoint (checkpoint.monitor=null, or no evaluation)",
+    "ema": "the run kept no EMA (trainer.ema.decay=null)",
+    "last": "not a finished training run",
+}
+CONFIG = Path(".hydra") / "config.yaml"
+
+
+def model_node(cfg: DictConfig) -> DictConfig:
+    """cfg.model without trainkit's `init` key: what instantiate builds (its keys are the model's arguments)."""
+    if "init" not in cfg.model:
+        return cfg.model
+    cfg = cfg.copy()  # interpolations (${data.shape}) still resolve against this copy's root
+    with open_dict(cfg.model):
+        del cfg.model["init"]
+    return cfg.model
+
+
+class Parent:
+    """A finished run (or a weights file) that another run builds on."""
+
+    def __init__(self, run_dir: Path | None, weights_path: Path, config: DictConfig | None, key: str):
+        self.run_dir, self.weights_path, self.config, self.key = run_dir, weights_path, config, key
+        self._state: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def open(cls, source: str | Path, weights: str = "last", *, key: str = "model.init") -> "Parent":
+        """A run dir (its model.pt / model_best.pt / model_ema.pt by `weights`, and .hydra/config.yaml) or a .pt
+        file (no config). `key`: the config key named in the one-line errors."""
+        path = Path(source)
+        if weights not in WEIGHTS:
+            raise ConfigError(f"{key}.weights={weights} is not one of: {', '.join(WEIGHTS)}")
+        if path.is_file():
+            if weights != "last":
+                raise ConfigError(f"{key}.weights={weights} names a file of a run dir; {key}.from={path} is a file")
+            return cls(None, path, None, key)
+        if not path.is_dir():
+            raise ConfigError(f"{key}.from={source} does not exist (a finished run's dir or a .pt file)")
+        file = path / WEIGHTS[weights]
+        if not file.is_file():
+            raise ConfigError(f"{key}.from={path} has no {file.name} ({key}.weights={weights}): {WHY_ABSENT[weights]}")
+        config = OmegaConf.load(path / CONFIG) if (path / CONFIG).is_file() else None
+        if config is not None and not isinstance(config, DictConfig):
+            raise ConfigError(f"{key}.from={path}: {CONFIG} is not a training run's config")
+        return cls(path, file, config, key)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The parent's weights (read once, on the CPU)."""
+        if self._state is None:
+            try:
+                state = torch.load(self.weights_path, map_location="cpu", weights_only=True)  # never unpickle code
+            except Exception as error:  # torch's message runs over many lines; the type tells corrupt from unsafe
+                raise ConfigError(
+                    f"{self.key}: {self.weights_path} is no state_dict that torch.load(weights_only=True) reads "
+                    f"({type(error).__name__})"
+                ) from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise ConfigError(f"{self.key}: {self.weights_path} holds no state_dict (a dict of tensors)")
+            self._state = state
+        return self._state
+
+    def build_model(self) -> torch.nn.Module:
+        """The parent's own model (its cfg.model, without its own init: the weights are its result), loaded
+        strictly, on the CPU."""
+        if self.config is None:
+            raise ConfigError(
+                f"{self.key}.from={self.weights_path} is a weights file: building its model needs a run dir"
+            )
+        model = instantiate(model_node(self.config))
+        load_model(model, self.state_dict(), f"{self.key}: {self.weights_path}")
+        return model
+
+    def copy_into(self, directory: Path) -> Path:
+        """Copy the weights file and .hydra/config.yaml into `directory` (a run dir of its own: Parent.open reads
+        it back, with the same `weights`), so the chained run works when the parent's dir is gone. Rank 0 writes
+        (other ranks return at once); atomic: a temp dir renamed into place, replacing an older copy."""
+        directory = Path(directory)
+        if env_rank() != 0:
+            return directory
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+        shutil.copy2(self.weights_path, tmp / self.weights_path.name)
+        if self.config is not None:
+            (tmp / ".hydra").mkdir()
+            OmegaConf.save(self.config, tmp / CONFIG)
+        if directory.exists():  # a restarted start-up: the same parent again
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+        return directory
+
+
+def remap(state: dict[str, torch.Tensor], mapping: dict[str, str | None]) -> dict[str, torch.Tensor]:
+    """model.init.map: {prefix: new prefix, or null to drop}; the longest matching prefix decides, keys matching
+    none stay as they are. E.g. {"head.": null} keeps the encoder, {"backbone.": "encoder."} renames."""
+    out = {}
+    for name, tensor in state.items():
+        prefix = max((p for p in mapping if name.startswith(p)), key=len, default=None)
+        if prefix is None:
+            out[name] = tensor
+        elif (new := mapping[prefix]) is not None:
+            out[new + name[len(prefix) :]] = tensor
+    return out
+
+
+def _keys(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" ... ({len(keys)})" if len(keys) > 4 else "")
+
+
+INIT_KEYS = ("from", "weights", "strict", "map")
+
+
+def check(init) -> None:
+    """model.init's keys and values (the parent itself is read as the model is built: a resume never reads it)."""
+    if init is None:
+        return
+    if not OmegaConf.is_dict(init):
+        raise ConfigError(f"model.init must be a mapping of {', '.join(INIT_KEYS)}")
+    if unknown := [k for k in init if k not in INIT_KEYS]:
+        raise ConfigError(
+            f"model.init.{unknown[0]} is not a setting of model.init; its settings: {', '.join(INIT_KEYS)}"
+        )
+    if OmegaConf.is_missing(init, "from"):
+        raise ConfigError("model.init.from is required: a finished run's dir or a .pt file (model.init.from=<dir>)")
+    if (weights := init.get("weights", "last")) not in WEIGHTS:
+        raise ConfigError(f"model.init.weights={weights} is not one of: {', '.join(WEIGHTS)}")
+    if not isinstance(init.get("strict", True), bool):
+        raise ConfigError(f"model.init.strict={init.strict} must be true or false")
+    mapping = init.get("map") or {}
+    if not OmegaConf.is_dict(mapping) and not isinstance(mapping, dict):
+        raise ConfigError("model.init.map must be a mapping {prefix: new prefix, or null to drop}")
+    if bad := [k for k, v in mapping.items() if v is not None and not isinstance(v, str)]:
+        raise ConfigError(f"model.init.map.{bad[0]}={mapping[bad[0]]} must be a prefix or null (drop)")
+
+
+def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent | None:
+    """model.init: the parent's weights into `model` (built, not yet wrapped), or None when model.init.from is
+    null. Shapes must fit; strict: every key of the model loaded and every (mapped) key of the parent used,
+    else the keys left at their initialisation and those not used are said in one line each. No key at all
+    loaded is refused either way (a wrong map)."""
+    if init is None or init.get("from") is None:
+        return None
+    parent = Parent.open(init["from"], init.get("weights", "last"))
+    mapping = OmegaConf.to_container(init.map, resolve=True) if init.get("map") else {}
+    assert isinstance(mapping, dict)
+    state = remap(parent.state_dict(), {str(k): v for k, v in mapping.items()})
+    own = model.state_dict()
+    source = f"model.init.from={parent.run_dir or parent.weights_path}"
+    if shaped := [k for k in state if k in own and state[k].shape != own[k].shape]:
+        said = "; ".join(f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in shaped[:3])
+        raise ConfigError(f"{source}: other shape than the model's: {said}{' ...' if len(shaped) > 3 else ''}")
+    missing, unused = [k for k in own if k not in state], [k for k in state if k not in own]
+    if len(missing) == len(own):
+        raise ConfigError(f"{source}: no key of the model is in it (model.init.map renames prefixes: {mapping})")
+    if init.get("strict", True) and (missing or unused):
+        what = "; ".join(f"{w} {_keys(keys)}" for w, keys in (("missing", missing), ("unused", unused)) if keys)
+        raise ConfigError(
+            f"{source} does not fit the model: {what} (model.init.map drops or renames prefixes, "
+            "model.init.strict=false loads the keys that fit)"
+        )
+    model.load_state_dict(state, strict=False)
+    print0(f"model.init: {len(own) - len(missing)} of {len(own)} tensors from {parent.weights_path}")
+    if missing:
+        print0(f"model.init: left at their initialisation: {_keys(missing)}")
+    if unused:
+        print0(f"model.init: not used: {_keys(unused)}")
+    return parent

@@ -1,0 +1,81 @@
+"""A frozen teacher beside the model, for distillation: `task.teacher.from=<run dir>` (and
+`task.teacher.weights=last|best|ema`). A task whose config holds a `teacher` node gets, as its constructor's
+`teacher` argument, the module built from that run (trainkit/parent.py: the run's own model config, its
+weights loaded strictly) instead of the node: frozen (eval mode, no gradients, its forward under no_grad,
+whatever the loop does with the model), on the device, never wrapped by DDP / FSDP (each rank holds the whole
+of it: a forward needs no collective), never in a checkpoint or model.pt (it is no part of the model).
+
+Where it is read: a fresh run reads task.teacher.from and, once the run is accepted, copies it into its run dir
+(`teacher/`: the weights, the config, the parent's provenance.json); a resume, eval.py and predict.py read
+that copy, so they work when the teacher's own dir is gone. Every rank reads the same file: the weights are
+small beside the model's, and no rank waits on another's broadcast."""
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainkit.errors import ConfigError
+from trainkit.parent import Parent
+
+COPY = "teacher"  # the run dir's copy of its teacher
+KEYS = ("from", "weights")
+
+
+class Frozen(nn.Module):
+    """The teacher as the task sees it: always in eval mode (train() leaves it there), no parameter requires a
+    gradient, and its forward runs under no_grad. `parent`: the run it was built from (trainkit/parent.py)."""
+
+    def __init__(self, module: nn.Module, parent: Parent):
+        super().__init__()
+        self.module = module.eval().requires_grad_(False)
+        self.parent = parent
+
+    def train(self, mode: bool = True) -> "Frozen":
+        return super().train(False)  # BatchNorm's running statistics, dropout off: a fixed function
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.module(*args, **kwargs)
+
+
+def node(task_cfg: DictConfig) -> DictConfig | None:
+    """The task's `teacher` node, None when it has none (or it is null)."""
+    found = task_cfg.get("teacher") if isinstance(task_cfg, DictConfig) else None
+    return found if isinstance(found, DictConfig) else None
+
+
+def build_task(
+    task_cfg: DictConfig, run_dir: Path | None, device: torch.device, own: bool
+) -> tuple[Any, Frozen | None]:
+    """The task (instantiate(cfg.task)) and its frozen teacher on `device` (None without one). own: read the run
+    dir's copy where it has one (a resume; eval.py and predict.py on the run), else task.teacher.from."""
+    wanted = node(task_cfg)
+    if wanted is None:
+        return instantiate(task_cfg), None
+    if unknown := sorted(set(map(str, wanted)) - set(KEYS)):
+        raise ConfigError(f"task.teacher.{unknown[0]}: not a key of task.teacher (its keys: {', '.join(KEYS)})")
+    if OmegaConf.is_missing(wanted, "from") or wanted.get("from") is None:
+        raise ConfigError("task.teacher.from is required: the run dir of a finished run (its model.pt), the teacher")
+    copy = Path(run_dir) / COPY if run_dir is not None else None
+    source = copy if own and copy is not None and copy.is_dir() else Path(str(wanted["from"]))
+    parent = Parent.open(source, weights=str(wanted.get("weights", "last")), key="task.teacher")
+    frozen = Frozen(parent.build_model(), parent).to(device)
+    return instantiate(task_cfg, teacher=frozen), frozen
+
+
+def keep(frozen: Frozen | None, run_dir: Path) -> None:
+    """Rank 0, once the run is accepted: the teacher copied into the run dir (unless read from there), with its
+    run's provenance.json, so that a resume, eval.py and predict.py need nothing outside the run dir."""
+    if frozen is None:
+        return
+    copy = Path(run_dir) / COPY
+    if frozen.parent.run_dir is None or Path(frozen.parent.run_dir).resolve() == copy.resolve():
+        return
+    frozen.parent.copy_into(copy)  # atomic; an earlier attempt's copy replaced
+    if (record := Path(frozen.parent.run_dir) / "provenance.json").is_file() and not (copy / record.name).exists():
+        shutil.copy2(record, copy / record.name)

@@ -1,0 +1,208 @@
+"""Runs that build on runs: model.init.* (a finished run's weights into a new run), optim.groups (frozen parts,
+lr scales by name, carried to DDP and FSDP by name), exact on any allocation, resumable without the parent."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+import helpers
+from helpers import assert_equal, run_in_process, weights
+from helpers import rows as metrics_rows
+from trainkit import config, optim, schedules
+from trainkit.parent import Parent, model_node, remap
+
+# A small mlp (Linear layers 1, 4, 7) trained briefly: the parent of the runs below.
+PARENT = ["model.width=16", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.test=false"]
+# Its chained run: the first layer frozen, the second at lr x 0.1, the last one's bias frozen (a unit of FSDP's
+# with mixed requires_grad), SGD (equivalences compare SGD steps).
+GROUPS = 'optim.groups=[{params: "1.*", frozen: true}, {params: "4", lr_scale: 0.1}, {params: 7.bias, frozen: true}]'
+FROZEN = ("1.weight", "1.bias", "7.bias")
+CHAINED = [
+    "model.width=16",
+    "optim=sgd",
+    "optim._target_=helpers.RecordingSGD",  # torch's SGD, recording each step's group lrs
+    "sched=cosine",
+    "sched.warmup_steps=2",
+    GROUPS,
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "trainer.eval_every=100",
+    "trainer.test=false",
+    "checkpoint.every=3",
+]
+TRAINABLE = (16 * 16 + 16) + 10 * 16  # layer 4, 7.weight: what a step reduces
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("parent")
+    run_in_process(run_dir, *PARENT)
+    return run_dir
+
+
+def chained(run_dir: Path, parent: Path, *overrides: str, nproc: int = 1) -> str:
+    return run_in_process(run_dir, *CHAINED, f"+model.init.from={parent}", *overrides, nproc=nproc)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [row for row in metrics_rows(run_dir, timings=False) if "loss" in row]
+
+
+def test_parent_opens_a_run_dir_or_a_file_and_builds_its_model(parent, tmp_path):
+    p = Parent.open(parent)
+    assert p.run_dir == parent and p.weights_path == parent / "model.pt" and p.config is not None
+    model = p.build_model()
+    assert_equal(model.state_dict(), weights(parent), "model")
+    copy = p.copy_into(tmp_path / "copy")
+    again = Parent.open(copy, "last")  # the copy is a run dir of its own
+    assert_equal(again.state_dict(), p.state_dict(), "copy")
+    assert again.config == p.config
+    assert Parent.open(parent / "model_best.pt").config is None
+    assert set(remap({"encoder.0.w": 1, "head.0.w": 2, "x": 3}, {"head.": None, "encoder.": "enc."})) == {
+        "enc.0.w",
+        "x",
+    }
+
+
+def refusal(run_dir: Path, capsys, *overrides: str) -> str:
+    """The one line a refused chained run prints (exit status 2)."""
+    with pytest.raises(SystemExit) as exit:
+        run_in_process(run_dir, *CHAINED, *overrides)
+    err = capsys.readouterr().err.strip()
+    assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_an_init_with_a_missing_key_a_wrong_shape_or_no_model_best_is_one_line_exit_2(parent, tmp_path, capsys):
+    state = weights(parent)
+    del state["7.bias"]
+    torch.save(state, tmp_path / "short.pt")
+    err = refusal(tmp_path / "a", capsys, f"+model.init.from={tmp_path / 'short.pt'}")
+    assert err == (
+        f"error: model.init.from={tmp_path / 'short.pt'} does not fit the model: missing 7.bias "
+        "(model.init.map drops or renames prefixes, model.init.strict=false loads the keys that fit)"
+    )
+    err = refusal(tmp_path / "b", capsys, f"+model.init.from={parent}", "model.width=8")
+    assert err.endswith(
+        "other shape than the model's: 1.weight [16, 64] vs [8, 64]; 1.bias [16] vs [8]; "
+        "4.weight [16, 16] vs [8, 8] ..."
+    )
+    bare = tmp_path / "bare"
+    shutil.copytree(parent, bare, ignore=shutil.ignore_patterns("model_best.pt"))
+    err = refusal(tmp_path / "c", capsys, f"+model.init.from={bare}", "+model.init.weights=best")
+    assert err == (
+        f"error: model.init.from={bare} has no model_best.pt (model.init.weights=best): the run kept no best "
+        "checkpoint (checkpoint.monitor=null, or no evaluation)"
+    )
+
+
+def test_groups_are_refused_when_a_parameter_is_matched_twice_or_none_is():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    twice = helpers.compose_cfg("optim=sgd", 'optim.groups=[{params: "0.*"}, {params: "*.weight"}]').optim
+    with pytest.raises(optim.ConfigError, match=r"optim.groups\[1\].params=\*.weight and optim.groups\[0\] both match"):
+        optim.plan(twice, model)
+    with pytest.raises(optim.ConfigError, match="matches no parameter"):
+        optim.plan(helpers.compose_cfg("optim=sgd", 'optim.groups=[{params: "head.*"}]').optim, model)
+    with pytest.raises(optim.ConfigError, match="declares no layer order"):
+        optim.plan(helpers.compose_cfg("optim=sgd", "optim.layer_decay=0.5").optim, model)
+
+
+def test_a_fully_frozen_batchnorm_keeps_its_statistics_unless_told_to_train():
+    for mode, held in (("eval", ["1"]), ("train", [])):
+        net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Linear(3, 1))
+        frozen = 'optim.groups=[{params: "[01].*", frozen: true}]'
+        plan = optim.plan(helpers.compose_cfg("optim=sgd", f"optim.frozen_batchnorm={mode}", frozen).optim, net)
+        assert plan.hold_batchnorm(net) == held
+        net.train()
+        assert net[1].training is (mode == "train") and net[2].training
+        before = net[1].running_mean.clone()
+        net[1](torch.randn(4, 2, 3, 3))
+        assert torch.equal(net[1].running_mean, before) is (mode == "eval")
+
+
+@pytest.fixture(scope="module")
+def single(parent, tmp_path_factory) -> Path:
+    """The chained run in one process at global batch 32 (1 x 32 x K=1)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    chained(run_dir, parent)
+    LRS["single"] = helpers.RecordingSGD.lrs
+    return run_dir
+
+
+LRS: dict[str, list[list[float]]] = {}  # what each group stepped with, each step of the single run
+
+
+def test_frozen_parameters_are_the_parents_bit_for_bit_and_groups_follow_the_schedule(parent, single):
+    got, start = weights(single), weights(parent)
+    for name in got:
+        assert torch.equal(got[name], start[name]) is (name in FROZEN), name  # the others trained
+    lrs = [row["lr"] for row in rows(single)]
+    # The row's lr is group 0's (layer 4 at x 0.1, the first trainable); the checkpoint's groups: 4 and 7.weight.
+    saved = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [len(g["params"]) for g in saved] == [2, 1] and [g["initial_lr"] for g in saved] == [0.1 * 0.1, 0.1]
+    assert lrs[:2] == [pytest.approx(0.01 * 1 / 3), pytest.approx(0.01 * 2 / 3)]  # warmup (step+1)/(warmup+1)
+    assert all(row["comm/grad_bytes"] == 0 for row in rows(single))
+    assert (single / "parent" / "model.pt").is_file() and (single / "parent" / ".hydra" / "config.yaml").is_file()
+
+
+def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after_a_resume(parent, single, tmp_path):
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    name = "step_00000003.pt"
+    shutil.copy(single / "checkpoints" / name, resumed / "checkpoints" / name)
+    moved = tmp_path / "gone"
+    shutil.move(parent, moved)  # the parent's dir is gone: a resume reads the checkpoint, never the parent
+    try:
+        out = chained(resumed, tmp_path / "elsewhere")  # no such dir: never read, and no other run for it
+        # eval.py and predict.py of a chained run read its own dir alone
+        evaluated = run_in_process(tmp_path / "eval", f"run_dir={single}", "split=test", script="eval")
+        predicted = run_in_process(tmp_path / "predict", f"run_dir={single}", script="predict")
+    finally:
+        shutil.move(moved, parent)
+    assert "model.init" not in out and "resumed from" in out
+    assert "done: test loss" in evaluated and "on 359 val samples" in predicted, evaluated + predicted
+    final = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)
+    got = torch.load(resumed / "checkpoints" / "step_00000006.pt", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
+        assert_equal(got[key], final[key], key)  # bitwise
+    assert rows(resumed) == rows(single)[3:]
+    multiplier = schedules.multiplier(helpers.compose_cfg(*CHAINED).sched, 6)
+    want = [[0.1 * 0.1 * multiplier(step), 0.1 * multiplier(step)] for step in range(6)]  # layer 4 at x 0.1, 7
+    assert [lr for step in LRS["single"] for lr in step] == pytest.approx([lr for step in want for lr in step])
+    assert helpers.RecordingSGD.lrs == LRS["single"][3:]  # the resumed run's, bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_k2_train_a_partly_frozen_model_as_one_process_and_sync_only_the_trainable(
+    parent, single, mode, tmp_path
+):
+    run_in_process(
+        tmp_path,
+        *CHAINED,
+        f"+model.init.from={parent}",
+        f"parallel={mode}",
+        "data.batch_size=8",
+        "accumulation.steps=2",
+        nproc=2,
+    )
+    got, want, start = weights(tmp_path), weights(single), weights(parent)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(got[name], start[name]) is (name in FROZEN), name
+    assert [row["comm/grad_bytes"] for row in rows(tmp_path)] == [TRAINABLE * 4] * 6  # one sync of the trainable
+
+
+def test_layer_decay_follows_gpts_declared_layer_order():
+    gpt = helpers.compose_cfg("+experiment=addition_gpt", "model.n_layer=2", "optim.layer_decay=0.5")
+    config.typed(gpt)
+    settings = optim.plan(gpt.optim, instantiate(model_node(gpt))).settings
+    assert [settings[n][0] for n in ("wte.weight", "blocks.0.qkv.weight", "blocks.1.mlp.0.bias", "ln_f.weight")] == [
+        0.125,
+        0.25,
+        0.5,
+        1.0,
+    ]

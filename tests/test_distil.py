@@ -1,0 +1,168 @@
+"""A frozen teacher beside the model (trainkit/teacher.py) and a loss of several terms on train rows
+(task=distil: loss/ce, loss/kd): the terms of W=2 x K=2 equal one process's (FSDP), a resume mid-row logs the
+same row (on the same and on another world size) without the teacher's own dir, the teacher is in no checkpoint
+or model.pt and is counted in the summary."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import ROOT, max_diff, rows, run_in_process, weights
+from trainkit.dist import Dist
+from trainkit.errors import ConfigError
+from trainkit.metrics import TrainMeter
+from trainkit.parallel import CommStats
+from trainkit.tasks.distil import Distil
+from trainkit.teacher import Frozen
+
+CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+# SGD (equivalence on any CPU); rows every 3 steps, a checkpoint at step 4: mid-row
+RUN = [
+    "+experiment=digits_distil",
+    "optim=sgd",
+    "optim.lr=0.05",
+    "sched=constant",
+    "model.width=32",
+    "data.batch_size=16",
+    "trainer.max_steps=6",
+    "trainer.log_every=3",
+    "trainer.eval_every=6",
+    "trainer.test=false",
+    "checkpoint.every=4",
+    "checkpoint.keep=5",
+]
+TERMS = ("loss", "loss/ce", "loss/kd")
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """The 1-process run and its teacher: a cnn trained 2 steps where git cannot be found (no PATH), a chain of 2
+    runs whose first one's provenance.json says so."""
+    base = tmp_path_factory.mktemp("distil")
+    parent = base / "teacher"
+    path = os.environ["PATH"]
+    os.environ["PATH"] = str(base / "nowhere")
+    try:
+        run_in_process(parent, "model=cnn", "model.width=8", "trainer.max_steps=2", "trainer.test=false")
+    finally:
+        os.environ["PATH"] = path
+    out = run_in_process(base / "one", *RUN, f"task.teacher.from={parent}")
+    return base, parent, out
+
+
+def test_a_chain_of_2_is_traced_in_provenance_json_and_a_run_without_git_goes_on(one):
+    base, parent, _ = one
+    first, second = (json.loads((d / "provenance.json").read_text()) for d in (parent, base / "one"))
+    assert first["git"] == {"commit": None, "why": "git is not installed"} and first["parents"] == {}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert second["git"]["commit"] == commit and second["world_size"] == 1 == first["world_size"]
+    assert second["versions"]["torch"] == torch.__version__.split("+")[0] and "hydra-core" in second["versions"]
+    teacher = second["parents"]["task.teacher.from"]
+    assert teacher["run_dir"] == str(parent.resolve()) and teacher["provenance"] == first  # nested: the whole chain
+    assert isinstance(second["command"], str) and "resumes" not in second  # in process: no Hydra overrides
+
+
+def _train_rows(run_dir):
+    return [r for r in rows(run_dir) if "loss" in r]
+
+
+def test_the_terms_are_rows_of_their_own_and_the_teacher_is_summarised_but_kept_nowhere(one):
+    base, parent, out = one
+    first, last = _train_rows(base / "one")
+    for row in (first, last):
+        assert set(TERMS) <= set(row) and row["loss"] == pytest.approx(0.5 * row["loss/ce"] + 0.5 * row["loss/kd"])
+    teacher = torch.load(parent / "model.pt", weights_only=True)
+    summary = json.loads((base / "one" / "summary.json").read_text())
+    assert summary["teacher_params"] == sum(
+        t.numel() for k, t in teacher.items() if "running" not in k and "num_b" not in k
+    )
+    assert "teacher: " in out and "frozen" in out
+    # No teacher tensor in model.pt or a checkpoint: they hold the student's state alone
+    student = weights(base / "one")
+    checkpoint = torch.load(base / "one" / "checkpoints" / "step_00000004.pt", weights_only=True)
+    assert checkpoint["model"].keys() == student.keys() and all(k.startswith(("1.", "4.", "7.")) for k in student)
+    assert (base / "one" / "teacher" / "model.pt").is_file()  # its copy in the run dir, beside, not inside
+    assert max_diff(torch.load(base / "one" / "teacher" / "model.pt", weights_only=True), teacher) == 0
+
+
+@pytest.mark.slow
+def test_2_fsdp_ranks_x_k2_log_the_terms_one_process_logs(one, tmp_path):
+    base, parent, _ = one
+    two = ["parallel=fsdp", "data.batch_size=4", "accumulation.steps=2"]
+    run_in_process(tmp_path / "two", *RUN, f"task.teacher.from={parent}", *two, nproc=2)
+    for a, b in zip(_train_rows(base / "one"), _train_rows(tmp_path / "two"), strict=True):
+        assert a["step"] == b["step"] and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in TERMS)
+    assert max_diff(weights(base / "one"), weights(tmp_path / "two")) < 1e-6
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_resume_mid_row_logs_the_same_row_without_the_teacher_s_dir(one, tmp_path, nproc):
+    """Step 4's checkpoint (rows at 3 and 6) resumed in a copy of the run dir whose teacher's dir is gone: the
+    row at step 6 is the uninterrupted run's (1 process: bit for bit; 2 ranks: the loss sums merged)."""
+    base, parent, _ = one
+    resumed = tmp_path / "resumed"
+    shutil.copytree(base / "one", resumed)
+    for name in ("model.pt", "model_best.pt", "checkpoints/step_00000006.pt", "checkpoints/best.pt"):
+        (resumed / name).unlink()
+    gone = parent.with_name("gone")
+    parent.rename(gone)  # the teacher's own dir: away while the resume runs
+    try:
+        two = ["parallel=ddp", "data.batch_size=4", "accumulation.steps=2"] if nproc == 2 else []
+        run_in_process(resumed, *RUN, f"task.teacher.from={parent}", *two, nproc=nproc)
+    finally:
+        gone.rename(parent)
+    record = json.loads((resumed / "provenance.json").read_text())
+    assert record["resumes"][-1]["step"] == 4 and record["resumes"][-1]["world_size"] == nproc
+    assert record["parents"]["task.teacher.from"]["provenance"]["git"]["commit"] is None  # the start's, kept
+    a, b = _train_rows(base / "one")[-1], _train_rows(resumed)[-1]
+    assert a["step"] == b["step"] == 6
+    if nproc == 1:
+        assert all(a[k] == b[k] for k in TERMS) and max_diff(weights(base / "one"), weights(resumed)) == 0
+    else:
+        assert all(a[k] == pytest.approx(b[k], rel=1e-6) for k in TERMS)
+
+
+def test_the_teacher_stays_frozen_and_a_terms_shape_is_checked():
+    frozen = Frozen(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2), nn.Dropout(0.5)), parent=None)  # type: ignore[arg-type]
+    frozen.train()
+    assert not frozen.training and not any(m.training for m in frozen.modules())
+    x = torch.randn(4, 3, requires_grad=True)
+    assert not frozen(x).requires_grad and not any(p.requires_grad for p in frozen.parameters())
+    task = Distil(frozen, temperature=2.0, alpha=0.25)
+    out, y = torch.randn(4, 2, requires_grad=True), torch.tensor([0, 1, 1, 0])
+    loss, ce, kd = task.loss_sum(out, (y, x))
+    assert loss.item() == pytest.approx(0.75 * ce.item() + 0.25 * kd.item()) and loss.requires_grad
+    other = Distil(Frozen(nn.Linear(3, 5), parent=None), temperature=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"task.teacher: its outputs have shape \[4, 5\], the model's \[4, 2\]"):
+        other.loss_sum(out, (y, x))
+    meter = TrainMeter(CPU, CommStats(), terms=("ce",))  # a declared term the loss_sum does not return
+    meter.add_step(torch.tensor(1.0), 4, 4, losses=[task.loss_sum(out, (y, x)).detach()])
+    with pytest.raises(ConfigError, match=r"shape \(3,\): its loss_terms \('ce',\) need \(2,\)"):
+        meter.row()
+
+
+@pytest.mark.parametrize(
+    ("teacher", "message"),
+    [
+        ({"from": "???"}, "task.teacher.from is required"),
+        ({"from": "/nonexistent", "weights": "last"}, r"task.teacher.from=/nonexistent does not exist"),
+        ({"from": "PARENT", "weights": "ema"}, r"has no model_ema.pt \(task.teacher.weights=ema\)"),
+        ({"from": "PARENT", "weighs": "last"}, r"task.teacher.weighs: not a key of task.teacher"),
+        ({"from": "PARENT/model.pt"}, r"is a weights file: building its model needs a run dir"),
+    ],
+)
+def test_a_bad_teacher_is_one_line(one, teacher, message):
+    from omegaconf import OmegaConf
+
+    from trainkit.teacher import build_task
+
+    _, parent, _ = one
+    node = {key: str(value).replace("PARENT", str(parent)) for key, value in teacher.items()}
+    cfg = OmegaConf.create({"_target_": "trainkit.tasks.distil.Distil", "teacher": node})
+    with pytest.raises(ConfigError, match=message):
+        build_task(cfg, None, torch.device("cpu"), own=False)

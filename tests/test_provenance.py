@@ -1,0 +1,34 @@
+"""provenance.json (trainkit/provenance.py) of a tree with uncommitted changes, and of none: the end-to-end
+chain of 2 runs and the run without git are in tests/test_distil.py."""
+
+import json
+import subprocess
+
+from trainkit import provenance
+
+
+def test_a_dirty_tree_records_its_commit_and_the_diff_of_its_tracked_files(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "tracked.py").write_text("a = 1\n")
+    git("add", "tracked.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    commit = git("rev-parse", "HEAD").stdout.strip()
+    assert provenance.git_state(repo) == ({"commit": commit, "dirty": False}, "")
+    (repo / "tracked.py").write_text("a = 2\n")
+    (repo / "untracked.py").write_text("ignored\n")  # not tracked: not in the diff, not dirty by itself
+    state, diff = provenance.git_state(repo)
+    assert state["dirty"] and state["diff"] == "provenance.diff" and "+a = 2" in diff and "untracked" not in diff
+    monkeypatch.setattr(provenance, "ROOT", repo)  # a run from that tree writes the diff beside its record
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    record = provenance.write(run_dir, provenance.OmegaConf.create({}), world_size=3)
+    assert json.loads((run_dir / "provenance.json").read_text()) == record and record["world_size"] == 3
+    assert (run_dir / "provenance.diff").read_text() == diff and record["git"]["commit"] == commit
+
+
+def test_outside_a_repository_the_record_says_so(tmp_path):
+    state, diff = provenance.git_state(tmp_path)
+    assert state["commit"] is None and "not a git repository" in state["why"] and diff == ""

@@ -1,14 +1,15 @@
 """Train a model: `python src/train.py`, `torchrun --nproc_per_node=N src/train.py parallel=ddp`
 (or parallel=fsdp), sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: conf/.
 
-Reads top to bottom: process group, data, model, optimizer, the loop, the end.
+Reads top to bottom: the optimizer step (window_batches, bare_step, optimizer_step); train(): data, resume
+point, model (a parent's weights, parameter groups by name), its step parts (trainkit/steps.py), what the run
+dir records, the loop (what comes after each step: trainkit/cadence.py), the end (weights, the test pass);
+then the entry point (main, run).
 """
 
 import functools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,72 +20,24 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import (
-    checkpoint,
-    config,
-    debug,
-    dist,
-    heldout,
-    launch,
-    optim,
-    parent,
-    provenance,
-    pruning,
-    schedules,
-    stop,
-)
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, provenance, pruning, steps, stop
 from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
-from trainkit.batch import to_device, unpacker
+from trainkit.batch import to_device
 from trainkit.cadence import Cadence
-from trainkit.coupled import CoupledWindows, couples
-from trainkit.ema import EMA
-from trainkit.errors import ConfigError, RankError, Stopped, user_error
+from trainkit.errors import ConfigError
 from trainkit.evaluate import evaluate, evaluate_averaged
-from trainkit.guard import StepGuard
 from trainkit.halving import EvalBatches
 from trainkit.loading import TrainWindows
 from trainkit.loggers import make_logger
-from trainkit.metrics import TrainMeter
-from trainkit.parallel import WRAP_SETTINGS, full_tensor, resolve_mode, unwrap, wrap
-from trainkit.precision import autocast_for
+from trainkit.parallel import full_tensor, resolve_mode, unwrap
 from trainkit.profile import Profiler
 from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
 from trainkit.selection import Selection, monitored
+from trainkit.steps import StepParts
 from trainkit.summary import announce, describe
-
-
-@dataclass
-class StepParts:
-    """What an optimizer step works with, built once by train()."""
-
-    model: torch.nn.Module  # wrapped for the parallel mode
-    parameters: list[torch.nn.Parameter]  # its parameters, listed once (model.parameters() walks the modules: ~5 us)
-    task: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    guard: StepGuard
-    meter: TrainMeter
-    auto: AutoBatch
-    coupled: CoupledWindows | None
-    autocast: Callable
-    ema: EMA
-    d: dist.Dist
-    seed: int
-    strategy: str  # accumulation.strategy: no_sync | sync_each_batch
-    max_norm: float  # trainer.clip_grad_norm; inf: measure the norm, clip nothing
-    unpack: Callable  # batch -> (what the model gets, what the loss reads): the task's, else a pair's halves
-    bare: bool  # nothing needs more than a plain loop's step: bare_step
-    terms: bool  # the task declares loss_terms: its loss_sum is [loss, *terms], the loss is its first
-    # (Plain values, read once: one OmegaConf attribute costs 10-30 us, 4-9 % of the default mlp's step.)
-
-    @property
-    def stateful(self) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, Any, TrainMeter]:
-        """What a checkpoint holds of them."""
-        return unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.meter
 
 
 def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) -> tuple[list, Any, Any]:
@@ -108,7 +61,7 @@ def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) 
 def bare_step(s: StepParts, windows: TrainWindows, window: int, step: int) -> None:
     """The optimizer step where nothing needs more than a plain loop's (one process, no fp16 loss scaling, no
     skipped windows, a fixed micro-batch, a loss per micro-batch: StepParts.bare): optimizer_step less the calls
-    that do nothing there. Each call the loop makes costs ~2 us in it, 0.3 % of the default mlp's step."""
+    that do nothing there (what they cost a small model's step: docs/performance.md)."""
     micro, items, scale = window_batches(s, windows, window, step)
     losses = []
     for batch in micro:
@@ -169,50 +122,6 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
     s.meter.add_step(grad_norm, windows.samples[window], items, skipped=outcome != "step")
 
 
-def build_step(
-    cfg: DictConfig,
-    d: dist.Dist,
-    mode: str,
-    net: torch.nn.Module,
-    task,
-    auto: AutoBatch,
-    total_steps: int,
-    groups: optim.Plan,
-) -> StepParts:
-    """The model wrapped for the parallel mode, the optimizer on its wrapped (for FSDP: sharded) parameters in
-    the groups decided by name before wrapping, and what else an optimizer step works with."""
-    # parallel.*: shard_units, reshard_after_forward (FSDP), bucket_cap_mb, comm_hook, static_graph (DDP), ...
-    wrapping = {key: cfg.parallel[key] for key in WRAP_SETTINGS} | {"compile": cfg.trainer.compile}
-    model, comm = wrap(net, mode, d, cfg.parallel.sync_bn, precision=cfg.trainer.precision, **wrapping)
-    seed_all(cfg.seed + d.rank)  # from here on, dropout masks (and any other draws) differ between ranks
-    groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
-    if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
-        d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
-    optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
-    ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
-    autocast = autocast_for(cfg.trainer.precision, d.device)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
-    guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
-    auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward
-    meter = TrainMeter(d, comm, task.items_name, getattr(task, "loss_terms", ()))  # terms: rows' loss/<term>
-    # A loss over the whole global batch (a contrastive one): exact by gradient caching (trainkit/coupled.py)
-    coupled = CoupledWindows(model, task, d, autocast, scaler, auto, meter) if couples(task) else None
-    # bare: no sync to skip (one process), no fp16 scaling, no window to skip or run again, no batch-coupled loss
-    bare = mode == "single" and not scaler.is_enabled() and guard.deferred and not auto.enabled and coupled is None
-    knobs = (
-        cfg.seed,
-        cfg.accumulation.strategy,
-        cfg.trainer.clip_grad_norm or math.inf,
-        unpacker(task),
-        bare,
-        bool(meter.terms),
-    )
-    parameters = [p for p in model.parameters() if p.requires_grad]  # clipped: the frozen ones have no gradient
-    parts = model, parameters, task, optimizer, scheduler, scaler, guard, meter, auto, coupled, autocast, ema, d
-    return StepParts(*parts, *knobs)
-
-
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
     seed_all(cfg.seed)  # the same initial weights on every rank
 
@@ -264,7 +173,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     groups.freeze(net)  # before wrapping: DDP's buckets and FSDP's reduce-scatters hold only the trainable ones
     # Parameters, size, FLOPs per sample (per token): rank 0 prints them; rows gain mem/peak_gb (and mfu on a GPU)
     efficiency = describe(net, train_set, task, d, cfg.trainer.precision, beside={"teacher": teacher})
-    parts = build_step(cfg, d, mode, net, task, auto, total_steps, groups)  # the wrapped model, its optimizer, ...
+    parts = steps.build(cfg, d, mode, net, task, auto, total_steps, groups)  # the wrapped model, its optimizer, ...
     model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
     step_once = bare_step if parts.bare else optimizer_step
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
@@ -355,10 +264,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
                     if due.save or best_now:
                         done = window + 1 == steps_per_epoch
-                        progress = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = checkpoint.snapshot(*parts.stateful, progress, identity, settings, logger.run_id, d)
-                        auto_state = auto.state_dict() | val_batches.state_dict()  # auto: a resume starts at b
-                        state |= {"autobatch": auto_state, "selection": selection.state_dict(), "ema": ema.state_dict()}
+                        at = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
+                        state = checkpoint.state_of(
+                            parts, at, identity, settings, logger.run_id, selection, val_batches
+                        )
                         if due.save:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it
@@ -395,10 +304,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> float | None:
-    """Check the config, join the process group (or start the N workers that do), train. A known failure
-    is one line from rank 0, no traceback; a sweep's job records it in its dir and the sweep goes on
-    (config.SweepErrors)."""
-    try:
+    """Check the config, join the process group (or start the N workers that do), train. A known failure is one
+    line from rank 0; a sweep's job records it in its dir and the sweep goes on (config.train_job)."""
+    with config.train_job(run_dir, sweep, cfg.parallel.timeout_s):
         debug.configure(cfg)  # debug=<mode>: its settings over an experiment's (the command line's win)
         config.check(cfg)
         if launch.wanted(cfg):  # parallel.nproc_per_node=N, no launcher: N workers run this job, as torchrun's would
@@ -408,30 +316,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
         objective = train(cfg, d, mode, run_dir)  # the best monitored value (else the last val/acc): a sweeper's
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return objective
-    except Stopped as stopped:  # a signal or trainer.max_time, after the checkpoint of its step: not a failure
-        stop.exit_stopped(stopped, run_dir)  # self-launched workers stopped in their start-up: no empty run dir
-    except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
-        if sweep:
-            config.record_failure(run_dir, failed.error, sweep)
-            return None
-        dist.fail(str(failed.error), failed.code)
-    except Exception as error:
-        if (known := user_error(error)) is not None:
-            if dist.env_rank() == 0:
-                config.record_failure(run_dir, known, sweep)
-            if sweep:
-                return None
-            dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3, isinstance(known, RankError))
-        if dist.lost_peer(error):
-            dist.fail(
-                f"a collective failed, a peer rank died or hangs (parallel.timeout_s={cfg.parallel.timeout_s:g}): "
-                f"{str(error).strip().splitlines()[0][:300]}",
-                1,
-                peer_failed=True,
-            )
-        raise
-    finally:
-        dist.teardown()
+    return None  # a sweep's job that failed: recorded in its dir
 
 
 if __name__ == "__main__":

@@ -485,6 +485,18 @@ def snapshot(
     }
 
 
+def state_of(
+    s, progress: dict, identity: dict, settings: dict, logger_run_id: str | None, selection, val_batches
+) -> dict:
+    """What a checkpoint of the run holds, the counterpart of resume() (which loads each entry back): the step's
+    objects (s: train.py's StepParts), the run's progress, and the state that grows with training: the best
+    evaluation and early stopping (selection), the EMA, the micro-batches data.batch_size=auto found."""
+    model, optimizer, scheduler, scaler, meter = s.stateful
+    held = snapshot(model, optimizer, scheduler, scaler, meter, progress, identity, settings, logger_run_id, s.d)
+    auto = s.auto.state_dict() | val_batches.state_dict()  # a resume starts at the found micro-batch
+    return held | {"autobatch": auto, "selection": selection.state_dict(), "ema": s.ema.state_dict()}
+
+
 def restore(state: dict, model, optimizer, scheduler, scaler, meter, d: Dist) -> None:
     """Load a checkpoint's state into the objects of a fresh run (`model` unwrapped).
 

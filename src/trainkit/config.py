@@ -29,7 +29,7 @@ from omegaconf.errors import (
 )
 
 from trainkit import dist, launch, loggers, optim, options, parent, schema, stop
-from trainkit.errors import ConfigError, RunError, user_error
+from trainkit.errors import ConfigError, RankError, RunError, Stopped, user_error
 from trainkit.precision import PRECISIONS
 
 
@@ -416,6 +416,39 @@ def one_job(run: Callable[[], Any], out_dir: Path) -> Any:
         if isinstance(known, ConfigError) and dist.env_rank() == 0:  # a refused run leaves no empty dir
             remove_if_empty(out_dir)
         dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3)
+    finally:
+        dist.teardown()
+
+
+@contextlib.contextmanager
+def train_job(run_dir: Path, sweep: bool, timeout_s: float):
+    """train.py's job: a known failure is one line from rank 0, no traceback (exit 2 for a refusal, 3 else); a
+    sweep's job records it in its dir and returns, so the sweep goes on (SweepErrors names it at the end). A
+    stop for a signal or trainer.max_time, after the checkpoint of its step, is not a failure. The process group
+    is torn down whatever happens."""
+    try:
+        yield
+    except Stopped as stopped:  # self-launched workers stopped in their start-up: no empty run dir
+        stop.exit_stopped(stopped, run_dir)
+    except launch.WorkersFailed as failed:  # the workers' root cause, from torch's error files: said once, here
+        if not sweep:
+            dist.fail(str(failed.error), failed.code)
+        record_failure(run_dir, failed.error, sweep)
+    except Exception as error:
+        if (known := user_error(error)) is not None:
+            if dist.env_rank() == 0:
+                record_failure(run_dir, known, sweep)
+            if not sweep:
+                dist.fail(str(known), 2 if isinstance(known, ConfigError) else 3, isinstance(known, RankError))
+        elif dist.lost_peer(error):
+            dist.fail(
+                f"a collective failed, a peer rank died or hangs (parallel.timeout_s={timeout_s:g}): "
+                f"{str(error).strip().splitlines()[0][:300]}",
+                1,
+                peer_failed=True,
+            )
+        else:
+            raise
     finally:
         dist.teardown()
 

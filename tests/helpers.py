@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (see the comment at START)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -36,6 +37,9 @@ def _free_port() -> int:
 # one imports torch anew (~5 s a process, ~10 s for two on two busy cores). TRAINKIT_TEST_START=spawn
 # goes back to fresh interpreters (e.g. to rule fork out when a distributed test misbehaves).
 START = os.environ.get("TRAINKIT_TEST_START", "fork")
+# DDP's constructor imports torch._dynamo on first use (1 s alone, 3-5 s on a loaded machine), between its
+# collectives: in forked ranks that had not imported it, one rank waited that long for the other, and a test's
+# short group timeout (test_autobatch's 5 s) ended the wait. Imported here, before any fork, once a process.
 # A collective on a loaded machine takes milliseconds to seconds; a hung one fails after this, and
 # run_distributed ends the processes after `timeout` (every test's own work is well under a minute).
 GROUP_TIMEOUT = timedelta(seconds=120)

@@ -28,3 +28,21 @@ def torchrun_sweep(tmp_path_factory):
     overrides = ["parallel=ddp", "model._target_=helpers.warning_mlp", "trainer.max_steps=2,3"]
     proc = run_train(tmp / "unused", "-m", f"hydra.sweep.dir={tmp / 'sweep'}", *overrides, nproc=2)
     return proc, tmp / "sweep"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--figures",
+        action="store_true",
+        help="run the shipped experiments' full recipes over seeds 0-2 (tests/test_figures.py, about half an hour)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked figures (a full recipe, minutes a run) only with --figures: never in the suite."""
+    if config.getoption("--figures"):
+        return
+    skip = pytest.mark.skip(reason="a shipped experiment's full recipe: pytest tests/test_figures.py --figures")
+    for item in items:
+        if "figures" in item.keywords:
+            item.add_marker(skip)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (see the comment at START)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -36,6 +37,9 @@ def _free_port() -> int:
 # one imports torch anew (~5 s a process, ~10 s for two on two busy cores). TRAINKIT_TEST_START=spawn
 # goes back to fresh interpreters (e.g. to rule fork out when a distributed test misbehaves).
 START = os.environ.get("TRAINKIT_TEST_START", "fork")
+# DDP's constructor imports torch._dynamo on first use (1 s alone, 3-5 s on a loaded machine), between its
+# collectives: in forked ranks that had not imported it, one rank waited that long for the other, and a test's
+# short group timeout (test_autobatch's 5 s) ended the wait. Imported here, before any fork, once a process.
 # A collective on a loaded machine takes milliseconds to seconds; a hung one fails after this, and
 # run_distributed ends the processes after `timeout` (every test's own work is well under a minute).
 GROUP_TIMEOUT = timedelta(seconds=120)
@@ -294,7 +298,9 @@ class Faulty(nn.Module):
         fp16 overflow gives), "hang" (sleep as a stuck peer would), "wait" (until the marker file exists:
         a test decides when the step goes on), "raise" (an exception trainkit does not know, as a bug
         raises), "exit" (os._exit(17), once, as a library that ends the process with a status of its
-        own would), or "oom" / "oom_backward": every
+        own would), "kill_starting" (SIGKILL this worker as the model is built, once, while the other
+        ranks are still in their start-up: each waits there, without a collective, until the agent ends it),
+        or "oom" / "oom_backward": every
     training forward (backward) of more than `oom_above` samples raises torch.OutOfMemoryError, as a
     device too small for that micro-batch would ("oom": the at_forward-th too); "rlimit": a real allocation
     of 64 MiB a sample fails above `oom_above` samples (an address-space limit); "oom_eval": every
@@ -304,6 +310,8 @@ class Faulty(nn.Module):
         super().__init__()
         self.inner, self.fault, self.at_forward, self.rank, self.marker = inner, fault, at_forward, rank, Path(marker)
         self.calls, self.oom_above, self.raises = 0, oom_above, False
+        if fault == "kill_starting":
+            _kill_starting(rank, self.marker)
         if fault == "oom_backward":  # in the backward of the first layer: the last a backward runs
             first = next(m for m in inner.modules() if not list(m.children()) and list(m.parameters()))
             first.register_forward_hook(lambda module, args, out: _OutOfMemoryInBackward.apply(out, self.raises))
@@ -346,6 +354,20 @@ class Faulty(nn.Module):
             self.marker.touch()
             os._exit(17)
         return out
+
+
+def _kill_starting(rank: int, marker: Path) -> None:
+    """Once (the marker remembers it): `rank` dies in its start-up, the others wait for that death in
+    theirs (before the loop: no collective can notice it first), until the elastic agent's SIGTERM."""
+    if os.environ.get("TRAINKIT_WORKER") != "1":  # not the self-launching parent
+        return
+    mine = marker if int(os.environ.get("RANK", 0)) == rank else marker.with_name(f"{marker.name}.waited")
+    if mine.exists():  # the restarted round
+        return
+    mine.touch()
+    if mine == marker:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # the agent ends this rank (SIGTERM) as soon as it sees the death: well before
 
 
 def _allocate_under_rlimit(samples: int, fitting: int, first: bool, per_sample: int = 64 << 20) -> None:

@@ -3,6 +3,7 @@ together, and the run is the one that used the found micro-batch from the start.
 errors are real exceptions from the model (helpers.Faulty "oom"), on one rank only."""
 
 import contextlib
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -395,6 +396,16 @@ def _one_rank_runs_out_of_memory(rank: int, world_size: int, where: str):
         return auto.retry(), auto.batch_size, auto.K
     except Exception as error:  # e.g. rank 0 alone in SyncBN's all-gather: the timeout
         return repr(error)[:300]
+
+
+def _imported_before_ddp(rank: int, world_size: int) -> bool:
+    return "torch._dynamo" in sys.modules
+
+
+def test_forked_ranks_start_with_the_import_ddp_s_constructor_would_make_between_its_collectives():
+    # Issue 45: the test below failed once under load: each forked rank imported torch._dynamo inside DDP's
+    # constructor (3-5 s there), and one waited for the other past its 5 s group timeout (tests/helpers.py).
+    assert run_distributed(_imported_before_ddp, 2, group=False) == [True, True]
 
 
 @pytest.mark.parametrize("where", ["ddp", "syncbn"])

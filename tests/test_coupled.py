@@ -9,9 +9,11 @@ all-reduce) differ by ~1e-7 relative; 1e-5 absolute leaves a hundredfold margin,
 thousands of times larger (asserted)."""
 
 import contextlib
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,7 +25,7 @@ from trainkit.data.digits_views import DigitsViews
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.models.simclr import SimCLR
-from trainkit.tasks.contrastive import Contrastive
+from trainkit.tasks.contrastive import Contrastive, knn_predict, nt_xent
 
 B, K, W = 4, 2, 2  # micro-batch, micro-batches per rank, ranks: a global batch of 16 samples
 TOLERANCE = 1e-5
@@ -166,6 +168,30 @@ def test_batchnorm_with_a_coupled_loss_is_said_to_be_inexact_once():
     assert "micro-batch of each rank" in note(BatchNormNet(), 1, 2)
     assert note(BatchNormNet(), K=1, world_size=1) is None  # one process, one micro-batch: the whole batch
     assert note(model(), K=4, world_size=2) is None  # LayerNorm: exact at any allocation
+
+
+def test_nt_xent_is_each_view_s_cross_entropy_against_its_other_view_among_every_other_row():
+    output = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))  # samples 0, 1, 2: rows 2i, 2i + 1
+    z = F.normalize(output, dim=1)
+    logits = (z @ z.T / 0.5).fill_diagonal_(-math.inf)  # a view is never its own negative
+    expected = F.cross_entropy(logits, torch.tensor([1, 0, 3, 2, 5, 4]), reduction="none")
+    assert torch.allclose(nt_xent(output, 0.5), expected, atol=1e-6)
+
+
+def _at(*degrees: float) -> torch.Tensor:
+    return torch.tensor([[math.cos(math.radians(a)), math.sin(math.radians(a))] for a in degrees])
+
+
+def test_knn_votes_by_similarity_among_the_k_nearest():
+    query = _at(0)
+    # One label-0 neighbour at 5 degrees outweighs two label-1 ones at 70 (0.996 > 2 x 0.342; a plain count says 1);
+    # the label-2 row at 180 degrees is not among the 3 nearest.
+    assert knn_predict(query, _at(5, 70, -70, 180), torch.tensor([0, 1, 1, 2]), k=3).tolist() == [0]
+    # Two label-1 neighbours at 30 degrees outweigh the nearest, label 0 (2 x 0.866 > 1): k=1 says 0.
+    bank, labels = _at(0, 30, -30), torch.tensor([0, 1, 1])
+    assert knn_predict(query, bank, labels, k=3).tolist() == [1]
+    assert knn_predict(query, bank, labels, k=1).tolist() == [0]
+    assert knn_predict(query * 7, bank, labels, k=5).tolist() == [1]  # a query of any length; k beyond the bank
 
 
 def test_digits_views_are_the_seed_s_and_each_transform_is_drawn():

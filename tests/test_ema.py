@@ -320,3 +320,19 @@ def test_predict_weights_ema_predicts_with_the_average(single, tmp_path):
         match=r"weights=ema: .*/model_ema.pt does not exist: the run kept no EMA \(trainer.ema.decay=null\)",
     ):
         run_in_process(tmp_path / "p", f"run_dir={tmp_path / 'no_ema'}", "weights=ema", script="predict")
+
+
+def test_the_bare_step_averages_as_the_full_step_does(tmp_path):
+    # One process, on_nonfinite=raise: train.bare_step; on_nonfinite=skip (no step skipped here): optimizer_step.
+    # The same finite steps: the same weights, average and rows, bit for bit (issue 45's audit: the EMA update
+    # left out of bare_step passed every other test).
+    run = ["model.width=16", "model.depth=1", "trainer.max_steps=4", "trainer.log_every=2", "trainer.ema.decay=0.5"]
+    run += ["trainer.eval_every=100", "checkpoint.every=0"]
+    out = {}
+    for mode in ("raise", "skip"):
+        run_in_process(tmp_path / mode, *run, f"trainer.on_nonfinite={mode}")
+        out[mode] = ema_weights(tmp_path / mode), weights(tmp_path / mode), rows(tmp_path / mode, timings=False)
+    assert_equal(out["raise"][0], out["skip"][0], "model_ema.pt")
+    assert_equal(out["raise"][1], out["skip"][1], "model.pt")
+    assert out["raise"][2] == out["skip"][2]
+    assert max_diff(out["raise"][0], out["raise"][1]) > 1e-4  # the average is not the live weights

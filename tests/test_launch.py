@@ -107,6 +107,25 @@ def test_a_worker_killed_once_restarts_the_group_which_resumes_to_the_uninterrup
 
 
 @pytest.mark.slow
+def test_a_worker_that_dies_while_the_other_is_starting_restarts_the_group_not_a_stop(tmp_path):
+    # Rank 1 dies (SIGKILL) as its model is built; rank 0 is still in its start-up (stop.at_once's handlers)
+    # when the agent ends it with SIGTERM: a consequence of the death, not the user's stop (issue 45).
+    marker = tmp_path / "killed"
+    proc = run_train(
+        tmp_path / "run",
+        *TINY,
+        "trainer.max_steps=2",
+        *faulty("kill_starting", 0, 1, marker, "mlp"),
+        "parallel.nproc_per_node=2",
+        "parallel.max_restarts=1",
+        check=False,
+    )
+    assert proc.returncode == 0 and marker.exists(), proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == ["restarting the workers (restart 1 of 1) after: rank 1: died of SIGKILL"]
+    assert proc.stdout.count("done: 2 steps") == 1
+
+
+@pytest.mark.slow
 def test_a_sweep_runs_its_jobs_one_after_another_each_on_workers_of_its_own(tmp_path):
     # Job 0: rank 1's loss turns NaN, a failure of the workers, recorded in the job's dir; job 1 runs.
     proc = run_train(

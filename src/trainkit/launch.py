@@ -143,7 +143,7 @@ def start(cfg: DictConfig, run_dir: Path, job: int, entry: Callable[..., Any]) -
                 launch = elastic_launch(_launch_config(cfg, str(round_logs)), _worker)
                 return launch(entry, this_round, run_dir, job, HydraConfig.instance().cfg, os.getpid())[0]
             except ChildFailedError as failed:
-                cause = _root_cause(failed, round_logs)
+                cause = _root_cause(failed, round_logs, bool(forwarded))
                 keep_logs = keep_logs or cause.traceback  # the line printed names the traceback's file
                 if cause.stopped:  # a signal one worker got alone, or trainer.max_time: checkpointed, not restarted
                     raise Stopped(str(cause.error), cause.code) from None
@@ -265,12 +265,13 @@ class RootCause(NamedTuple):
     stopped: bool = False  # not a failure: the workers stopped at a step boundary after a checkpoint (trainkit/stop.py)
 
 
-def _root_cause(failed, logs: Path) -> RootCause:
+def _root_cause(failed, logs: Path, forwarded: bool = False) -> RootCause:
     """The failure that explains the others. Read from every error file of the round (its own log
     dir), not only the failure the agent saw first: a rank whose collective failed may exit before the
     rank that raised. The first kind wins, then the earliest, then rank 0. A worker that exits without an
     error file (os._exit, a SystemExit of its own) died as a killed one did: a rank whose collective
-    failed because of it is the consequence."""
+    failed because of it is the consequence. `forwarded`: this process passed a signal to the workers
+    (their stop lines are then the user's stop even beside a failure)."""
     causes = {}
     for rank, failure in failed.failures.items():
         if failure.exitcode < 0:
@@ -289,6 +290,11 @@ def _root_cause(failed, logs: Path) -> RootCause:
         causes[int(path.parent.name)] = _Cause(
             kind, timestamp, said["message"], ours["code"] if ours else 1, bool(ours), str(path), stopped
         )
+    if not forwarded and not all(c.stopped or c.kind == 2 for c in causes.values()):
+        # A rank failed on its own, and this process forwarded no signal: the others' stop lines answer the
+        # agent's SIGTERM, with which it ends the survivors of a failure (in their start-up, or on the way out
+        # of the loop before their own report): consequences, which must not turn a restart into a stop.
+        causes = {r: c._replace(kind=2, stopped=False) if c.stopped else c for r, c in causes.items()}
     rank, cause = min(causes.items(), key=lambda item: (item[1].kind, item[1].timestamp, item[0]))
     traceback = cause.kind == 0 and not cause.ours  # an exception trainkit does not know: torch's record wrote it
     message = cause.message

@@ -1,0 +1,41 @@
+"""The results the docs state for the shipped experiments, run as a user runs them, over seeds 0, 1 and 2:
+each seed's run must reach the floor of its stated range (docs/text.md, docs/testing.md "Stated figures").
+
+A full recipe takes one to six minutes of CPU a seed, the whole set about half an hour: not in the suite
+(whose budget is 10 minutes). `pytest tests/test_figures.py --figures` runs them (`-k addition_gpt`: one
+experiment); without --figures they are skipped. In the suite, test_train.py holds the default job's val
+floor (0.95) on every run."""
+
+import pytest
+
+from helpers import final_test_row, rows, run_train
+
+# name: (overrides, [(key, which, bound)]): which is "last" (the final evaluation), "best" (the best evaluation
+# by the key's direction) or "test" (the test pass, on the best weights); a bound is a floor for a metric the
+# task maximises and a ceiling for a loss. The floors sit below the lowest of seeds 0-2 with a margin.
+FIGURES = {
+    "digits": ([], [("val/acc", "last", 0.95), ("test/acc", "test", 0.94)]),
+    "addition_gpt": (["+experiment=addition_gpt"], [("val/acc", "last", 0.98), ("test/acc", "test", 0.98)]),
+    "diabetes_mlp": (["+experiment=diabetes_mlp"], [("val/r2", "best", 0.32), ("test/r2", "test", 0.33)]),
+    "pydoc_gpt": (["+experiment=pydoc_gpt"], [("val/loss", "last", 1.42), ("test/loss", "test", 1.47)]),
+    "digits_simclr": (["+experiment=digits_simclr"], [("val/knn_acc", "last", 0.99), ("test/knn_acc", "test", 0.98)]),
+}
+
+
+def reached(run_dir, key: str, which: str) -> float:
+    if which == "test":
+        return final_test_row(run_dir)[key]
+    values = [r[key] for r in rows(run_dir) if key in r]
+    return values[-1] if which == "last" else (min if key.endswith("loss") else max)(values)
+
+
+@pytest.mark.figures
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", FIGURES)
+def test_a_shipped_experiment_reaches_the_floor_of_its_stated_range(name, seed, tmp_path):
+    overrides, floors = FIGURES[name]
+    run_train(tmp_path, *overrides, f"seed={seed}", timeout=3600)
+    for key, which, bound in floors:
+        value = reached(tmp_path, key, which)
+        print(f"{name} seed {seed}: {which} {key} {value:.4f} (bound {bound})")
+        assert value <= bound if key.endswith("loss") else value >= bound, (key, which, value)

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -38,9 +39,16 @@ def git_state(root: Path | None = None, diff_name: str = DIFF) -> tuple[dict, st
     record names it as `diff_name`); without git, or outside a repository: {"commit": None, "why": ...}."""
 
     root = ROOT if root is None else root
+    # git by its path: subprocess searches PATH for a bare name inside warnings.catch_warnings(), which resets
+    # Python's once-per-place memory of warnings, so a user's warning would show again in every sweep job.
+    executable = shutil.which("git")
+    if executable is None:
+        return {"commit": None, "why": "git is not installed"}, ""
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=20, check=True)
+        done = subprocess.run(
+            [executable, "-C", str(root), *args], capture_output=True, text=True, timeout=20, check=True
+        )
         return done.stdout
 
     try:

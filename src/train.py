@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, pruning, schedules, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, schedules, stop
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device, unpacker
@@ -38,6 +38,7 @@ from trainkit.precision import autocast_for
 from trainkit.profile import Profiler
 from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
+from trainkit.search import pruning
 from trainkit.selection import Selection, monitored
 from trainkit.summary import announce, describe
 

@@ -4,6 +4,7 @@ alone) continued by a second command (one process, a trial pruned), a study stop
 Ctrl-C, SIGKILL) and finished by the next command each time, a grid run to its end with every trial
 pruned, the two ranks of a torchrun study, the grammar, the storages and the sweeper's refusals."""
 
+import functools
 import math
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.utils import instantiate
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
@@ -541,3 +543,27 @@ def test_a_search_overlay_s_keys_win_over_train_yaml_and_lose_to_the_command_lin
     path = f"hydra.searchpath=[file://{tmp_path}]"
     assert compose_cfg(path, "hparams_search=probe").trainer.eval_every == 7
     assert compose_cfg(path, "hparams_search=probe", "trainer.eval_every=3").trainer.eval_every == 3
+
+
+def test_a_sampler_or_pruner_chosen_on_the_command_line_replaces_the_overlay_s_whole():
+    """hparams_search=digits_optuna picks its sampler and pruner as options of their groups: another choice replaces
+    them. (Written as settings in the overlay, they were merged into grid's: a partial TPESampler, Optuna's crash.)"""
+
+    def built(*overrides):
+        node = compose_cfg("hparams_search=digits_optuna", *overrides, with_hydra=True).hydra.sweeper
+        return instantiate(node.sampler), instantiate(node.pruner)
+
+    sampler, pruner = built()
+    assert type(sampler) is optuna.samplers.TPESampler and sampler._n_startup_trials == 5
+    assert type(pruner) is optuna.pruners.MedianPruner and pruner._n_warmup_steps == 200
+    grid, pruner = built("hydra/sweeper/sampler=grid")
+    assert isinstance(grid, functools.partial) and grid.func is optuna.samplers.GridSampler
+    assert grid.keywords == {"seed": None} and type(pruner) is optuna.pruners.MedianPruner
+    assert type(built("hydra/sweeper/sampler=random")[0]) is optuna.samplers.RandomSampler
+    sampler, pruner = built("hydra/sweeper/pruner=hyperband")
+    assert type(sampler) is optuna.samplers.TPESampler and type(pruner) is optuna.pruners.HyperbandPruner
+    # A partial that is not a grid (grid's _partial_ under another _target_) is refused in one line, not at ask
+    with pytest.raises(ConfigError, match=r"sampler: RandomSampler with _partial_: true, which only GridSampler"):
+        sweeper.Study(sampler=functools.partial(optuna.samplers.RandomSampler)).setup(
+            hydra_context=None, task_function=None, config=None
+        )

@@ -201,6 +201,13 @@ class Study:
         self.pruner = pruner
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        # (here, not in __init__, which Hydra's instantiate runs: its errors come wrapped, not in one line)
+        if isinstance(self.sampler, functools.partial) and self.sampler.func is not optuna.samplers.GridSampler:
+            raise ConfigError(  # grid.yaml's _partial_ under another sampler's settings: Optuna would crash at ask
+                f"hydra.sweeper.sampler: {getattr(self.sampler.func, '__name__', self.sampler.func)} with _partial_: "
+                f"true, which only GridSampler takes (the sweeper gives it the grid): pick a sampler by "
+                f"hydra/sweeper/sampler=<name>"
+            )
         optuna.logging.disable_default_handler()  # optuna's lines through Hydra's log (uncoloured)
         optuna.logging.enable_propagation()
         self.config, self.sweep_dir, self.hydra_context = config, Path(config.hydra.sweep.dir), hydra_context

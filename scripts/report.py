@@ -67,7 +67,7 @@ def read_study(root: Path) -> Study | None:
         return None
     import optuna  # here only: a second to import
 
-    from trainkit import studies  # scripts/ runs with src/ on the path (pyproject's editable install)
+    from trainkit.search import studies  # scripts/ runs with src/ on the path (pyproject's editable install)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     path = found[0].resolve()

@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, provenance, pruning, steps, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, provenance, steps, stop
 from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
@@ -35,6 +35,7 @@ from trainkit.parallel import full_tensor, resolve_mode, unwrap
 from trainkit.profile import Profiler
 from trainkit.progress import Progress, done_line, headline
 from trainkit.rng import seed_all, seed_step
+from trainkit.search import pruning
 from trainkit.selection import Selection, monitored
 from trainkit.steps import StepParts
 from trainkit.summary import announce, describe

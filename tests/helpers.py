@@ -88,14 +88,15 @@ def run_distributed(fn, world_size: int = 2, *args, group: bool = True, timeout:
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
 
 
-def compose_cfg(*overrides: str, config_name: str = "train"):
-    """conf/<config_name>.yaml composed with the overrides, as @hydra.main composes it."""
+def compose_cfg(*overrides: str, config_name: str = "train", with_hydra: bool = False):
+    """conf/<config_name>.yaml composed with the overrides, as @hydra.main composes it (with_hydra: and the
+    hydra node, e.g. hydra.sweeper)."""
     from hydra import compose, initialize_config_dir
 
     import trainkit.config  # noqa: F401  registers the schema in Hydra's ConfigStore, as train.py's import does
 
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
+        return compose(config_name, overrides=list(overrides), return_hydra_config=with_hydra)
 
 
 def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:

@@ -71,10 +71,12 @@ def rules(design: Path = DESIGN) -> set[int]:
 
 
 def engine_names(root: Path) -> dict[str, str]:
-    """trainkit's modules and rooms (the room packages by their __init__.py), each with its source. `dist` and
-    `models` are left out: the code also names torch.distributed `dist` and uses tokenizers' `models`."""
+    """trainkit's modules, the search package's and the rooms (the room packages by their __init__.py), each with
+    its source. `dist` and `models` are left out: the code also names torch.distributed `dist` and uses
+    tokenizers' `models`."""
     package = root / "src" / "trainkit"
-    found = {p.stem: p for p in package.glob("*.py")} | {p.parent.name: p for p in package.glob("*/__init__.py")}
+    found = {p.stem: p for pattern in ("*.py", "search/*.py") for p in package.glob(pattern)}
+    found |= {p.parent.name: p for p in package.glob("*/__init__.py")}
     return {name: path.read_text() for name, path in found.items() if name not in ("dist", "models", "__init__")}
 
 
@@ -254,6 +256,7 @@ def test_the_layout_in_design_md_names_every_engine_module_and_no_missing_file()
     block = DESIGN.read_text().partition("## Layout")[2].split("```")[1]
     named = set(re.findall(r"\b(\w+\.(?:py|sh))\b", block))
     files = {p.name for pattern in ("src/**/*.py", "scripts/*") for p in ROOT.glob(pattern)}
-    engine = {p.name for p in (ROOT / "src" / "trainkit").glob("*.py")} - {"__init__.py"}
+    engine = {p.name for pattern in ("*.py", "search/*.py") for p in (ROOT / "src" / "trainkit").glob(pattern)}
+    engine -= {"__init__.py"}
     assert not named - files, f"design.md's layout names files that do not exist: {sorted(named - files)}"
     assert not engine - named, f"design.md's layout lacks engine modules: {sorted(engine - named)}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import ROOT, _env, rows, together
-from trainkit import studies
+from trainkit.search import studies
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ alone) continued by a second command (one process, a trial pruned), a study stop
 Ctrl-C, SIGKILL) and finished by the next command each time, a grid run to its end with every trial
 pruned, the two ranks of a torchrun study, the grammar, the storages and the sweeper's refusals."""
 
+import functools
 import math
 import os
 import re
@@ -20,12 +21,13 @@ import pytest
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.utils import instantiate
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from helpers import ROOT, compose_cfg, rows, run_train, together
-from trainkit import search, search_space, studies
 from trainkit.errors import ConfigError
+from trainkit.search import grammar, studies, sweeper
 
 
 class PlantedPruner(optuna.pruners.BasePruner):
@@ -306,13 +308,13 @@ def test_a_nan_or_missing_objective_is_a_failed_trial_with_its_reason(tmp_path):
     def returned(value, status=JobStatus.COMPLETED) -> JobReturn:
         return JobReturn(status=status, _return_value=value)
 
-    assert search.outcome(returned(0.5), tmp_path) is None
-    assert search.outcome(returned(math.nan), tmp_path) == "the objective is nan, not a number"
-    assert search.outcome(returned(None), tmp_path) == "the run returned no objective (no validation split?)"
+    assert sweeper.outcome(returned(0.5), tmp_path) is None
+    assert sweeper.outcome(returned(math.nan), tmp_path) == "the objective is nan, not a number"
+    assert sweeper.outcome(returned(None), tmp_path) == "the run returned no objective (no validation split?)"
     (tmp_path / "error.txt").write_text("data: the training split of data=x is empty\n")
-    assert search.outcome(returned(None), tmp_path) == "data: the training split of data=x is empty"
+    assert sweeper.outcome(returned(None), tmp_path) == "data: the training split of data=x is empty"
     crashed = returned(KeyError("boom"), JobStatus.FAILED)
-    assert search.outcome(crashed, tmp_path) == "KeyError: 'boom'"
+    assert sweeper.outcome(crashed, tmp_path) == "KeyError: 'boom'"
 
 
 @pytest.mark.parametrize(
@@ -330,7 +332,7 @@ def test_a_nan_or_missing_objective_is_a_failed_trial_with_its_reason(tmp_path):
 def test_the_direction_follows_checkpoint_mode(overrides, expected):
     from helpers import compose_cfg
 
-    assert search.objective(compose_cfg(*overrides)) == expected
+    assert sweeper.objective(compose_cfg(*overrides)) == expected
 
 
 def test_a_study_in_several_processes_without_torchrun_is_refused(monkeypatch):
@@ -340,8 +342,8 @@ def test_a_study_in_several_processes_without_torchrun_is_refused(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(search.ConfigError, match="needs torchrun"):
-        search.lockstep_ranks()
+    with pytest.raises(sweeper.ConfigError, match="needs torchrun"):
+        sweeper.lockstep_ranks()
 
 
 @pytest.mark.slow
@@ -410,7 +412,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
 
 
 def distributions(*overrides: str) -> dict:
-    return search_space.parse(list(overrides))[0]
+    return grammar.parse(list(overrides))[0]
 
 
 @pytest.mark.parametrize(
@@ -441,15 +443,15 @@ def test_the_grammar_draws_range_as_the_basic_sweeper_lists_it_and_keeps_fixed_v
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     drawn = {study.ask(fixed_distributions=distributions("k=range(1,4)")).params["k"] for _ in range(60)}
     assert sorted(drawn) == listed == [1, 2, 3]
-    space, fixed = search_space.parse(["a=choice(1,2)", "b=3", "a=0.5", "b=interval(0,1.5)"])  # params, command
+    space, fixed = grammar.parse(["a=choice(1,2)", "b=3", "a=0.5", "b=interval(0,1.5)"])  # params, command
     assert fixed == {"a": "0.5"} and space == {"b": FloatDistribution(0.0, 1.5)}
-    assert search_space.override_text("optim.lr", 1.0) == "optim.lr=1.0"
-    assert search_space.grid(distributions("a=range(1,4)", "b=choice(x,y)")) == {"a": [1, 2, 3], "b": ["x", "y"]}
+    assert grammar.override_text("optim.lr", 1.0) == "optim.lr=1.0"
+    assert grammar.grid(distributions("a=range(1,4)", "b=choice(x,y)")) == {"a": [1, 2, 3], "b": ["x", "y"]}
 
 
 def test_the_space_is_composed_at_each_value_and_a_grid_counts_the_points_no_trial_took():
     space = distributions("a=choice(1,2,3)", "b=interval(0,1.5)")
-    corners = search_space.corners(space)  # every value once, the other key at its first
+    corners = grammar.corners(space)  # every value once, the other key at its first
     assert corners == [{"a": 1, "b": 0.0}, {"a": 2, "b": 0.0}, {"a": 3, "b": 0.0}, {"a": 1, "b": 1.5}]
     grid = {"a": [1, 2, 3], "b": ["x"]}
     study = optuna.create_study()
@@ -457,9 +459,9 @@ def test_the_space_is_composed_at_each_value_and_a_grid_counts_the_points_no_tri
         dists = {"a": CategoricalDistribution([1, 2, 3, 9]), "b": CategoricalDistribution(["x"])}
         value = 0.5 if state == TrialState.COMPLETE else None
         study.add_trial(optuna.create_trial(state=state, params={"a": a, "b": "x"}, distributions=dists, value=value))
-    assert search.grid_left(study, grid) == 1  # a=3; a pruned or waiting point is taken
+    assert sweeper.grid_left(study, grid) == 1  # a=3; a pruned or waiting point is taken
     with pytest.raises(ConfigError, match="grace_period=5 needs heartbeats"):
-        search.Study(sampler=None, heartbeat_interval=None, grace_period=5)
+        sweeper.Study(sampler=None, heartbeat_interval=None, grace_period=5)
 
 
 @pytest.mark.parametrize(
@@ -473,7 +475,7 @@ def test_the_space_is_composed_at_each_value_and_a_grid_counts_the_points_no_tri
 )
 def test_the_grammar_refuses_what_optuna_cannot_draw(written, error):
     with pytest.raises(ConfigError) as refused:
-        search_space.parse([written])
+        grammar.parse([written])
     assert str(refused.value) == f"hydra.sweeper.params: {error}"
 
 
@@ -489,22 +491,22 @@ def test_pruning_is_refused_where_it_cannot_be_right():
     }
     for (storage, keys, config), error in refusals.items():
         with pytest.raises(ConfigError) as refused:
-            search.check_pruner(pruner, storage, keys, config)
+            sweeper.check_pruner(pruner, storage, keys, config)
         assert str(refused.value) == error
-    search.check_pruner(pruner, "sqlite:///x.db", ("optim.lr",), cfg)  # allowed
-    search.check_pruner(None, None, ("trainer.eval_every",), cfg)  # no pruner: anything goes
+    sweeper.check_pruner(pruner, "sqlite:///x.db", ("optim.lr",), cfg)  # allowed
+    sweeper.check_pruner(None, None, ("trainer.eval_every",), cfg)  # no pruner: anything goes
 
 
 def test_a_study_refuses_several_objectives_and_a_pruner_on_other_evaluation_steps(tmp_path):
-    sweeper = search.Study(sampler=None, direction=["maximize", "minimize"])
+    tk_study = sweeper.Study(sampler=None, direction=["maximize", "minimize"])
     with pytest.raises(ConfigError, match=r"direction=\['maximize', 'minimize'\]: a study of trainkit runs has one"):
-        sweeper._direction(compose_cfg())
+        tk_study._direction(compose_cfg())
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="s")
-    study.set_user_attr(search.EVAL_EVERY, 10)
-    sweeper = search.Study(sampler=None, study_name="s")
-    sweeper.config = compose_cfg("trainer.eval_every=20")
+    study.set_user_attr(sweeper.EVAL_EVERY, 10)
+    tk_study = sweeper.Study(sampler=None, study_name="s")
+    tk_study.config = compose_cfg("trainer.eval_every=20")
     with pytest.raises(ConfigError) as refused:
-        sweeper._same_steps(study)
+        tk_study._same_steps(study)
     assert str(refused.value) == (
         "hydra.sweeper.pruner compares the trials' values at equal steps: study s's trials evaluated every 10 "
         "steps, not trainer.eval_every=20; keep it, or start a new study"
@@ -541,3 +543,27 @@ def test_a_search_overlay_s_keys_win_over_train_yaml_and_lose_to_the_command_lin
     path = f"hydra.searchpath=[file://{tmp_path}]"
     assert compose_cfg(path, "hparams_search=probe").trainer.eval_every == 7
     assert compose_cfg(path, "hparams_search=probe", "trainer.eval_every=3").trainer.eval_every == 3
+
+
+def test_a_sampler_or_pruner_chosen_on_the_command_line_replaces_the_overlay_s_whole():
+    """hparams_search=digits_optuna picks its sampler and pruner as options of their groups: another choice replaces
+    them. (Written as settings in the overlay, they were merged into grid's: a partial TPESampler, Optuna's crash.)"""
+
+    def built(*overrides):
+        node = compose_cfg("hparams_search=digits_optuna", *overrides, with_hydra=True).hydra.sweeper
+        return instantiate(node.sampler), instantiate(node.pruner)
+
+    sampler, pruner = built()
+    assert type(sampler) is optuna.samplers.TPESampler and sampler._n_startup_trials == 5
+    assert type(pruner) is optuna.pruners.MedianPruner and pruner._n_warmup_steps == 200
+    grid, pruner = built("hydra/sweeper/sampler=grid")
+    assert isinstance(grid, functools.partial) and grid.func is optuna.samplers.GridSampler
+    assert grid.keywords == {"seed": None} and type(pruner) is optuna.pruners.MedianPruner
+    assert type(built("hydra/sweeper/sampler=random")[0]) is optuna.samplers.RandomSampler
+    sampler, pruner = built("hydra/sweeper/pruner=hyperband")
+    assert type(sampler) is optuna.samplers.TPESampler and type(pruner) is optuna.pruners.HyperbandPruner
+    # A partial that is not a grid (grid's _partial_ under another _target_) is refused in one line, not at ask
+    with pytest.raises(ConfigError, match=r"sampler: RandomSampler with _partial_: true, which only GridSampler"):
+        sweeper.Study(sampler=functools.partial(optuna.samplers.RandomSampler)).setup(
+            hydra_context=None, task_function=None, config=None
+        )

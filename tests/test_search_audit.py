@@ -3,7 +3,7 @@
 import optuna
 from omegaconf import OmegaConf
 
-from trainkit.pruning import PRUNED_AT, Trial
+from trainkit.search.pruning import PRUNED_AT, Trial
 
 
 class Ranks:

@@ -70,7 +70,7 @@ class SweepErrors(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if "trainkit_search" in str(OmegaConf.select(config, "hydra.sweeper._target_")):
-            return  # an Optuna study: a failed trial is one of its results (trainkit.search lists them)
+            return  # an Optuna study: a failed trial is one of its results (trainkit.search.sweeper lists them)
         sweep_dir = Path(config.hydra.sweep.dir)
         failed = sorted(sweep_dir.glob(f"*/{ERROR_FILE}"), key=lambda p: (len(p.parent.name), p.parent.name))
         if not failed:
@@ -474,7 +474,7 @@ def run_cli(main: Callable[[], Any]) -> None:
             if HydraConfig.initialized():  # Hydra made the run dir before the task started
                 remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         sys.exit(128 + signal.SIGINT)
-    except ConfigError as error:  # refused outside a job: e.g. by the sweeper (trainkit.search)
+    except ConfigError as error:  # refused outside a job: e.g. by the sweeper (trainkit.search.sweeper)
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

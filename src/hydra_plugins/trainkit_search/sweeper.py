@@ -1,5 +1,5 @@
 """hydra/sweeper=optuna_study (conf/hydra/sweeper/optuna_study.yaml): the thin Hydra plugin in front of
-trainkit.search.Study. Optuna and trainkit are imported only when a study runs: Hydra imports this
+trainkit.search.sweeper.Study. Optuna and trainkit are imported only when a study runs: Hydra imports this
 module on every start, and `import optuna` alone takes a second."""
 
 from typing import Any
@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 class OptunaSweeper(Sweeper):
     def __init__(self, **settings: Any) -> None:  # conf/hydra/sweeper/optuna_study.yaml's keys
-        from trainkit.search import Study
+        from trainkit.search.sweeper import Study
 
         self.study = Study(**settings)
 

@@ -1,4 +1,4 @@
-"""A study's trial that reports its evaluations and may be pruned (hydra.sweeper.pruner, trainkit.search).
+"""A study's trial that reports its evaluations and may be pruned (hydra.sweeper.pruner, sweeper.py).
 
 At each evaluation the job reports the monitored value (already all-reduced: the same float on every
 rank) at its optimizer step to its trial, and every rank asks the pruner; the ranks then agree through
@@ -29,7 +29,7 @@ class Trial:
         self.monitor, self.d, self.number = monitor, d, number
         import optuna
 
-        from trainkit import studies
+        from trainkit.search import studies
 
         pruner = instantiate(sweeper.pruner)
         self.storage = studies.storage(sweeper.storage)  # Optuna's public BaseStorage API from here on

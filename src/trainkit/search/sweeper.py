@@ -15,14 +15,14 @@ public API (ask with the search space's distributions, tell), with what a study 
 - a trial stopped by a signal (its checkpoint written) or by Ctrl-C (at once) is marked "interrupted"; the
   same command first finishes it in its dir, from its newest checkpoint, then asks new trials. One whose
   command was killed (SIGKILL, a lost node: nothing runs to mark it) is found by Optuna's heartbeats
-  (trainkit.studies): the next command fails it and a new trial with its params finishes it from its checkpoint.
+  (studies.py): the next command fails it and a new trial with its params finishes it from its checkpoint.
 - the search space is checked (its grammar, each key and value composed into the job's config) before a
   storage or a dir exists: a refused command leaves nothing behind.
 - a grid (GridSampler) ends when every point was asked: n_trials counts the points left; a complete grid
   trains nothing more. A study whose trials were all pruned ends with its summary and exit 0.
-- hydra.sweeper.pruner: the jobs report their evaluations and stop when pruned (trainkit.pruning); the
+- hydra.sweeper.pruner: the jobs report their evaluations and stop when pruned (pruning.py); the
   sweeper tells Optuna PRUNED. Refused where a pruner cannot be right (see check_pruner).
-The grammar of hydra.sweeper.params: trainkit.search_space; the storage: trainkit.studies."""
+The grammar of hydra.sweeper.params: grammar.py; the storage: studies.py."""
 
 import functools
 import itertools
@@ -42,9 +42,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from trainkit import checkpoint, dist, search_space, studies
+from trainkit import checkpoint, dist
 from trainkit.errors import ConfigError
-from trainkit.pruning import PRUNED_AT
+from trainkit.search import grammar, studies
+from trainkit.search.pruning import PRUNED_AT
 from trainkit.selection import monitored
 
 ERROR_FILE = "error.txt"  # a failed job's one-line error (trainkit.config.record_failure)
@@ -200,6 +201,13 @@ class Study:
         self.pruner = pruner
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        # (here, not in __init__, which Hydra's instantiate runs: its errors come wrapped, not in one line)
+        if isinstance(self.sampler, functools.partial) and self.sampler.func is not optuna.samplers.GridSampler:
+            raise ConfigError(  # grid.yaml's _partial_ under another sampler's settings: Optuna would crash at ask
+                f"hydra.sweeper.sampler: {getattr(self.sampler.func, '__name__', self.sampler.func)} with _partial_: "
+                f"true, which only GridSampler takes (the sweeper gives it the grid): pick a sampler by "
+                f"hydra/sweeper/sampler=<name>"
+            )
         optuna.logging.disable_default_handler()  # optuna's lines through Hydra's log (uncoloured)
         optuna.logging.enable_propagation()
         self.config, self.sweep_dir, self.hydra_context = config, Path(config.hydra.sweep.dir), hydra_context
@@ -220,12 +228,12 @@ class Study:
         if seed is not None and self.earlier:
             self.sampler = instantiate(self.config.hydra.sweeper.sampler, seed=seed + self.earlier)
 
-    def _check_space(self, space: search_space.Space, fixed: dict[str, str]) -> None:
+    def _check_space(self, space: grammar.Space, fixed: dict[str, str]) -> None:
         """Each key and value of the space composed into the job's config as the launcher will (an unknown key, a
         value of the wrong type: refused in one line), before a trial is asked or anything is written."""
         loader, fixed_overrides = self.hydra_context.config_loader, [f"{k}={v}" for k, v in fixed.items()]
-        for drawn in search_space.corners(space):
-            overrides = [search_space.override_text(k, v) for k, v in drawn.items()]
+        for drawn in grammar.corners(space):
+            overrides = [grammar.override_text(k, v) for k, v in drawn.items()]
             loader.load_sweep_config(self.config, overrides + fixed_overrides)
 
     def _direction(self, config: DictConfig) -> tuple[str, str]:
@@ -279,10 +287,10 @@ class Study:
                 self.lockstep.publish(None)
 
     def _study(self, arguments: list[str]) -> None:
-        space, fixed = search_space.parse([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
+        space, fixed = grammar.parse([f"{k}={v}" for k, v in self.params.items()] + list(arguments))
         check_pruner(self.pruner, self.storage_url, list(space), self.config)
         is_grid = isinstance(self.sampler, functools.partial) and self.sampler.func is optuna.samplers.GridSampler
-        grid = search_space.grid(space) if is_grid else None
+        grid = grammar.grid(space) if is_grid else None
         self._check_space(space, fixed)
         self._open()
         if grid is not None:
@@ -349,7 +357,7 @@ class Study:
             )
         study.set_user_attr(EVAL_EVERY, every)
 
-    def _same_space(self, study: optuna.Study, space: search_space.Space) -> None:
+    def _same_space(self, study: optuna.Study, space: grammar.Space) -> None:
         """A parameter the study searched as another kind (a choice, now an interval) is refused before any
         trial is asked (Optuna would refuse it with the trial asked and left running)."""
         for trial in study.get_trials(deepcopy=False):
@@ -364,7 +372,7 @@ class Study:
                         "it: change the space in a new study (hydra.sweeper.study_name, or another hydra.sweep.dir)"
                     ) from None
 
-    def _ask(self, study: optuna.Study, space: search_space.Space, fixed: dict[str, str]) -> optuna.Trial:
+    def _ask(self, study: optuna.Study, space: grammar.Space, fixed: dict[str, str]) -> optuna.Trial:
         with studies.quiet():
             trial = study.ask(fixed_distributions=space)  # a WAITING trial first: a lost one's retry, its params
         if OVERRIDES in trial.user_attrs:  # a retry: the lost trial's own overrides
@@ -375,7 +383,7 @@ class Study:
         except Exception:
             study.tell(trial, state=TrialState.FAIL)
             raise
-        drawn = [search_space.override_text(k, v) for k, v in trial.params.items()]
+        drawn = [grammar.override_text(k, v) for k, v in trial.params.items()]
         trial.set_user_attr(OVERRIDES, drawn + [f"{k}={v}" for k, v in fixed.items()])
         return trial
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  (see the comment at START)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -39,7 +38,8 @@ def _free_port() -> int:
 START = os.environ.get("TRAINKIT_TEST_START", "fork")
 # DDP's constructor imports torch._dynamo on first use (1 s alone, 3-5 s on a loaded machine), between its
 # collectives: in forked ranks that had not imported it, one rank waited that long for the other, and a test's
-# short group timeout (test_autobatch's 5 s) ended the wait. Imported here, before any fork, once a process.
+# short group timeout (test_autobatch's 5 s) ended the wait. Imported by run_distributed before it forks, once a
+# process: not at the import of this module, which every run of a helpers.* _target_ pays (2 s a process).
 # A collective on a loaded machine takes milliseconds to seconds; a hung one fails after this, and
 # run_distributed ends the processes after `timeout` (every test's own work is well under a minute).
 GROUP_TIMEOUT = timedelta(seconds=120)
@@ -71,6 +71,8 @@ def run_distributed(fn, world_size: int = 2, *args, group: bool = True, timeout:
     group, real collectives; group=False: none, fn joins one itself); returns the list of per-rank
     return values. fn must be a module-level function (picklable, for TRAINKIT_TEST_START=spawn).
     A rank that hangs past `timeout` seconds ends them all and fails the test."""
+    import torch._dynamo  # noqa: F401  (see GROUP_TIMEOUT's comment)
+
     with tempfile.TemporaryDirectory() as result_dir:
         context = mp.start_processes(
             _worker,

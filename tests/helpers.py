@@ -132,6 +132,16 @@ def _torchrun_worker(rank: int, world_size: int, script: str, run_dir: str, over
     return _entry_point(script, run_dir, overrides)
 
 
+def exit_status(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> int | str | None:
+    """A rank of run_distributed(exit_status, nproc, run_dir, overrides, group=False): train.py's run in torchrun's
+    environment, returning the status it exits with (SystemExit's code; 0 if it returns)."""
+    try:
+        _torchrun_worker(rank, world_size, "train", run_dir, overrides)
+    except SystemExit as exited:
+        return exited.code
+    return 0
+
+
 def run_in_process(
     run_dir: Path, *overrides: str, nproc: int = 1, script: str = "train", torchrun: bool = False
 ) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, _env, _torchrun_worker, compose_cfg, rows, run_distributed, run_in_process, run_train, weights
+from helpers import ROOT, _env, compose_cfg, exit_status, rows, run_distributed, run_in_process, run_train, weights
 from trainkit import config, stop
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
@@ -169,15 +169,6 @@ def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_a
     return model
 
 
-def _exit_status(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> int | str | None:
-    """A rank of helpers.run_in_process(nproc=2): the status train.py exits with (SystemExit's code)."""
-    try:
-        _torchrun_worker(rank, world_size, "train", run_dir, overrides)
-    except SystemExit as exited:
-        return exited.code
-    return 0
-
-
 def test_a_signal_that_one_rank_alone_gets_stops_every_rank_after_the_same_step_and_resumes_exactly(
     uninterrupted, tmp_path, capfd
 ):
@@ -192,7 +183,7 @@ def test_a_signal_that_one_rank_alone_gets_stops_every_rank_after_the_same_step_
     ]
     import train  # noqa: F401  once here, not in every forked rank
 
-    codes = run_distributed(_exit_status, 2, str(tmp_path / "run"), (*RUN, *model), group=False)
+    codes = run_distributed(exit_status, 2, str(tmp_path / "run"), (*RUN, *model), group=False)
     assert codes == [128 + signal.SIGUSR1] * 2  # every rank: the signal's documented status
     err = capfd.readouterr().err
     assert err.count("stopped by") == 1  # rank 0 alone
@@ -220,33 +211,30 @@ def test_sigterm_to_torchrun_checkpoints_every_worker_at_one_step_and_the_same_c
 
 
 @pytest.mark.slow
-def test_sigusr1_to_a_self_launched_run_is_forwarded_to_its_workers_one_line_status_138_and_it_resumes(
+def test_max_time_then_sigusr1_stop_a_self_launched_run_never_restarted_and_the_same_command_resumes(
     uninterrupted, tmp_path
 ):
-    run_dir = tmp_path / "run"
-    proc = start(f"hydra.run.dir={run_dir}", *RUN, "parallel.nproc_per_node=2")
-    wait_for_rows(proc, run_dir / "metrics.jsonl")
-    proc.send_signal(signal.SIGUSR1)  # torch's agent forwards it: trainkit adds it to the signals it handles
-    out, err = finish(proc)
-    assert proc.returncode == 128 + signal.SIGUSR1, err
-    [line] = err.splitlines()  # no "rank 1: exited with status 138", no agent report
-    step = stopped_at(line, "SIGUSR1")
-    assert_checkpoint_of(run_dir, step)
-    run_train(run_dir, *RUN, "parallel.nproc_per_node=2")  # the same command
-    assert_resumed_exactly(run_dir, uninterrupted, step)
-
-
-@pytest.mark.slow
-def test_max_time_stops_a_self_launched_run_with_status_0_never_restarted_and_it_resumes(uninterrupted, tmp_path):
-    # The budget is spent before the first step ends (it counts from the process's start): both workers
-    # stop after the step of their first check. parallel.max_restarts=1 must not restart a stop.
-    run_dir = tmp_path / "run"
-    proc = run_train(run_dir, *RUN, "parallel.nproc_per_node=2", "parallel.max_restarts=1", "trainer.max_time=1s")
+    # trainer.max_time: the budget is spent before the first step ends (it counts from the process's start): both
+    # workers stop after the step of their first check, status 0. Resumed with a budget that lasts, SIGUSR1 to the
+    # parent, which torch's agent forwards to its workers (trainkit adds it to the signals it handles): status
+    # 138. One line each time; parallel.max_restarts=1 must restart neither stop. The third part ends the run.
+    run_dir, workers = tmp_path / "run", ("parallel.nproc_per_node=2", "parallel.max_restarts=1")
+    proc = run_train(run_dir, *RUN, *workers, "trainer.max_time=1s")
     [line] = proc.stderr.splitlines()  # no "restarting the workers"
-    step = stopped_at(line, "trainer.max_time=1s")
+    budget_spent = stopped_at(line, "trainer.max_time=1s")
+    assert_checkpoint_of(run_dir, budget_spent)
+    logged = len(rows(run_dir))
+    signalled = start(f"hydra.run.dir={run_dir}", *RUN, *workers, "trainer.max_time=1h")
+    wait_for_rows(signalled, run_dir / "metrics.jsonl", count=logged + 2)
+    signalled.send_signal(signal.SIGUSR1)
+    out, err = finish(signalled)
+    assert signalled.returncode == 128 + signal.SIGUSR1, err
+    assert f"resumed from {run_dir / 'checkpoints'}" in out
+    [line] = err.splitlines()  # no "rank 1: exited with status 138", no agent report, no restart
+    step = stopped_at(line, "SIGUSR1")
+    assert step > budget_spent
     assert_checkpoint_of(run_dir, step)
-    proc = run_train(run_dir, *RUN, "parallel.nproc_per_node=2", "trainer.max_time=1h")  # a budget that lasts
-    assert f"resumed from {run_dir / 'checkpoints'}" in proc.stdout
+    run_train(run_dir, *RUN, *workers, "trainer.max_time=1h")  # the same command
     assert_resumed_exactly(run_dir, uninterrupted, step)
 
 

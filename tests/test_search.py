@@ -234,8 +234,8 @@ def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_an
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
-    """A grid of 2 points, every trial pruned at its first evaluation: 1 trial, then n_trials=5 (1 point left), then
-    the same command again (none left)."""
+    """A grid of 2 points, every trial pruned at its first evaluation: n_trials=5 (the grid ends it after 2), then the
+    same command again (no point left)."""
     sweep = tmp_path_factory.mktemp("grid") / "sweep"
     command = (
         "-m",
@@ -243,38 +243,37 @@ def grid(tmp_path_factory):
         "hydra/sweeper/sampler=grid",
         "optim.lr=choice(0.05,0.1)",
         "hydra.sweeper.pruner={_target_:test_search.PlantedPruner,rank:0,trial:null}",  # prunes every trial
+        "hydra.sweeper.n_trials=5",
         "trainer.max_steps=10",
         "trainer.eval_every=5",
         "checkpoint.every=5",
         f"hydra.sweep.dir={sweep}",
     )
-    runs = [run_train(sweep / "unused", *command, f"hydra.sweeper.n_trials={n}", check=False) for n in (1, 5, 5)]
+    runs = [run_train(sweep / "unused", *command, check=False) for _ in range(2)]
     return sweep, runs
 
 
 @pytest.mark.slow
 def test_a_grid_ends_when_its_points_are_run_and_then_trains_nothing(grid):
-    sweep, (_, last_point, complete) = grid
-    assert last_point.returncode == 0, last_point.stderr  # not Optuna's RuntimeError from study.stop()
-    assert "Traceback" not in last_point.stderr
-    assert last_point.stdout.count("done: ") == 1  # n_trials=5 with 1 point left: 1 trial
-    assert "study train: its grid of 2 points is complete" in last_point.stdout
-    assert "study train: 1 trials (0 failed, 1 pruned), 2 in all" in last_point.stdout
+    sweep, (whole_grid, complete) = grid
+    assert whole_grid.returncode == 0, whole_grid.stderr  # not Optuna's RuntimeError from study.stop()
+    assert "Traceback" not in whole_grid.stderr
+    assert whole_grid.stdout.count("done: ") == 2  # n_trials=5 on a grid of 2 points: 2 trials
+    assert "study train: its grid of 2 points is complete" in whole_grid.stdout
     assert sorted(t.params["optim.lr"] for t in trials(sweep, name="study.db", study="train")) == [0.05, 0.1]
     assert complete.returncode == 0, complete.stderr
-    assert "done: " not in complete.stdout and not (sweep / "2").exists()  # trains nothing
-    assert "study train: its grid of 2 points is complete: nothing to train" in complete.stdout
+    assert "done: " not in complete.stdout and not (sweep / "2").exists()  # trains nothing: n_trials counts the
+    assert "study train: its grid of 2 points is complete: nothing to train" in complete.stdout  # points run
     assert "study train: 0 trials (0 failed, 0 pruned), 2 in all" in complete.stdout
 
 
 @pytest.mark.slow
 def test_a_study_whose_trials_were_all_pruned_ends_with_its_summary_and_exit_0(grid):
-    sweep, (first, *_) = grid
-    (pruned,) = trials(sweep, study="train")[:1]
-    assert pruned.state == TrialState.PRUNED
-    assert first.returncode == 0, first.stderr  # every trial did what it was asked: not a failed job
-    assert first.stdout.strip().splitlines()[-1] == (
-        "study train: 1 trials (0 failed, 1 pruned), 1 in all; no trial completed: every trial was pruned, no best "
+    sweep, (whole_grid, _) = grid
+    assert [t.state for t in trials(sweep, study="train")] == [TrialState.PRUNED] * 2
+    assert whole_grid.returncode == 0, whole_grid.stderr  # every trial did what it was asked: not a failed job
+    assert whole_grid.stdout.strip().splitlines()[-1] == (
+        "study train: 2 trials (0 failed, 2 pruned), 2 in all; no trial completed: every trial was pruned, no best "
         "trial"
     )
 

@@ -224,10 +224,10 @@ def test_nan_on_one_rank_skip_drops_the_window_and_continues(tmp_path):
 
 @pytest.mark.slow
 def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path):
+    # Self-launched ranks (one interpreter): the timeout is the process group's, whoever started the ranks.
     started = time.monotonic()
-    proc = run_train(
-        tmp_path, *NAN, "parallel.timeout_s=3", *faulty("hang", 3, 1, tmp_path / "m"), nproc=2, check=False, timeout=120
-    )
+    overrides = ("parallel.nproc_per_node=2", "parallel.timeout_s=3", *faulty("hang", 3, 1, tmp_path / "m"))
+    proc = run_train(tmp_path, *NAN, *overrides, check=False, timeout=120)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert "error: a collective failed, a peer rank died or hangs (parallel.timeout_s=3)" in proc.stderr

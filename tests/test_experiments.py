@@ -139,11 +139,12 @@ def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root
 
 @pytest.fixture(scope="module")
 def accumulation_sweep(tmp_path_factory, cifar_root) -> tuple[str, Path]:
-    """`torchrun --nproc_per_node=2 src/train.py +experiment=accumulation_sweep`, 2 steps a job: its
-    stdout and sweep dir, for the two tests below."""
+    """`python src/train.py +experiment=accumulation_sweep`, 2 steps a job: its stdout and sweep dir, for the two
+    tests below. One process: its per-device batch divided by the world size of torchrun's, submitit's or
+    self-launched workers is test_launchers' (a submitit sweep of it) and test_config_errors' (a K it refuses)."""
     tmp = tmp_path_factory.mktemp("accumulation_sweep")
     overrides = ["+experiment=accumulation_sweep", *small("digits", cifar_root), f"hydra.sweep.dir={tmp / 'sweep'}"]
-    return run_train(tmp / "unused", *overrides, nproc=2).stdout, tmp / "sweep"
+    return run_train(tmp / "unused", *overrides).stdout, tmp / "sweep"
 
 
 @pytest.mark.slow
@@ -154,8 +155,7 @@ def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request, 
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
     overrides += parent_of(name, tmp_path_factory) + parent_overrides(name, tmp_path)
-    if name == "accumulation_sweep":  # its sweep under torchrun, which the next test reads too
-        nproc = 2
+    if name == "accumulation_sweep":  # its sweep, which the next test reads too
         stdout, sweep = request.getfixturevalue("accumulation_sweep")
     elif "mode: MULTIRUN" in (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text():
         stdout = run_train(tmp_path / "run", *overrides, nproc=nproc).stdout  # a sweep: Hydra's launcher
@@ -172,10 +172,9 @@ def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request, 
 
 @pytest.mark.slow
 def test_accumulation_sweep_runs_k_1_2_4_8_at_one_global_batch_without_dash_m(accumulation_sweep):
-    # Two ranks: the per-device batch divides by the world size too (${world_size:}).
     stdout, sweep = accumulation_sweep
-    layouts = re.findall(r"global batch (\d+) = 2 ranks x (\d+) micro-batch x (\d+) accumulation", stdout)
-    assert [tuple(map(int, t)) for t in layouts] == [(32, 16, 1), (32, 8, 2), (32, 4, 4), (32, 2, 8)]
+    layouts = re.findall(r"global batch (\d+) = 1 ranks x (\d+) micro-batch x (\d+) accumulation", stdout)
+    assert [tuple(map(int, t)) for t in layouts] == [(32, 32, 1), (32, 16, 2), (32, 8, 4), (32, 4, 8)]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     for job, steps in enumerate((1, 2, 4, 8)):
         saved = OmegaConf.load(sweep / str(job) / ".hydra" / "config.yaml")

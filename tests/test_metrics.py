@@ -28,18 +28,6 @@ def test_wandb_mode(monkeypatch, tmp_path, env, netrc, expected):
     assert wandb_mode() == expected
 
 
-@pytest.mark.slow
-def test_wandb_run_offline_with_the_nested_config(tmp_path):
-    run_train(tmp_path, "logger=wandb", "trainer.max_steps=3", "trainer.log_every=1")
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    wandb_file = next(runs[0].glob("*.wandb"))
-    data = wandb_file.read_bytes()
-    keys = (b"accumulation", b"global_batch_size", b"trainer", b"clip_grad_norm", b"val/acc", b"grad_norm")
-    for key in (*keys, b"provenance", b"versions", b"hydra-core"):  # W&B's config has provenance.json's record
-        assert key in data, key
-
-
 def _string_field(text: str) -> bytes:
     """A protobuf string as W&B's run record holds it: its varint length, then its bytes (so
     "trainer.max_steps=2" is not found inside the command line "trainer.max_steps=2,3")."""
@@ -50,16 +38,20 @@ def _string_field(text: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_a_sweep_gets_one_wandb_run_per_job_grouped_by_the_sweep(tmp_path):
+def test_a_sweep_gets_one_wandb_run_per_job_grouped_by_the_sweep_with_the_nested_config(tmp_path):
     sweep = tmp_path / "sweep"
     # Fixed overrides that sort before the swept key make the job's name longer than W&B's 64
     # characters for a job type: the job type is the swept key's value alone.
     fixed = ["accumulation.strategy=no_sync", "checkpoint.keep=2", "data.num_workers=0", "logger=wandb"]
+    fixed += ["trainer.log_every=1"]
     run_train(tmp_path / "unused", "-m", f"hydra.sweep.dir={sweep}", *fixed, "trainer.max_steps=2,3")
     for job, steps in enumerate((2, 3)):
         runs = list((sweep / str(job) / "wandb").glob("offline-run-*"))
         assert len(runs) == 1  # its own run, finished before the next job's began
         data = next(runs[0].glob("*.wandb")).read_bytes()
+        keys = (b"accumulation", b"global_batch_size", b"trainer", b"clip_grad_norm", b"val/acc", b"grad_norm")
+        for key in (*keys, b"provenance", b"versions", b"hydra-core"):  # W&B's config has provenance.json's record
+            assert key in data, key
         assert _string_field(str(sweep)) in data  # group: the sweep
         # name: the job's overrides (hydra.job.override_dirname); job type: what the sweep varies
         assert _string_field(",".join([*fixed, f"trainer.max_steps={steps}"])) in data

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit import config, dist, heldout, options
 from trainkit import teacher as teachers
-from trainkit.batch import size
+from trainkit.batch import size, to_device
 from trainkit.errors import ConfigError
 from trainkit.inference import predict
 from trainkit.precision import autocast_for
@@ -38,16 +38,17 @@ OWN_KEYS = ("run_dir", "split", "weights", "batch_size", "predict", "trainer", "
 DEFAULTS = Path(__file__).parent.parent / "conf" / "predict.yaml"
 
 
-def task_results(task, out: dict, probs: bool) -> tuple[dict, list[list]]:
+def task_results(task, out: dict, probs: bool, device: torch.device) -> tuple[dict, list[list]]:
     """index and the task's own columns (`task.predictions`) per sample, in dataset order ([] for a task without
     predictions), and the task's metrics of the whole split (named <split>/<metric> by the caller) from the
-    gathered outputs."""
+    gathered outputs, computed on `device` as an evaluation is (where a task keeps its state: a teacher, a bank)."""
     rows = []
     if hasattr(task, "predictions"):
         columns = task.predictions(out["logits"], out["targets"], **({"probs": True} if probs else {}))
         values = zip(*(column.tolist() for column in columns.values()), strict=True)
         rows = [["index", *columns]] + [[i, *(_cell(v) for v in row)] for i, row in enumerate(values)]
-    sums = task.eval_sums(None, out["logits"], out["targets"])  # the whole split at once: the same on any N
+    logits, targets = (to_device(out[key], device) for key in ("logits", "targets"))
+    sums = task.eval_sums(None, logits, targets)  # the whole split at once: the same on any N
     return task.eval_metrics(sums.tolist()) | {"samples": size(out["targets"])}, rows  # (y, x): samples, not 2
 
 
@@ -64,7 +65,7 @@ def run(cfg: DictConfig, run_cfg: DictConfig, task, d: dist.Dist, out_dir: Path)
     if (prepare := getattr(task, "prepare_eval", None)) is not None:  # e.g. task=contrastive's kNN bank
         prepare(model, d, autocast)
     out = predict(model, loader, d, autocast, task)  # gathered, on every rank
-    metrics, rows = task_results(task, out, cfg.predict.probs)
+    metrics, rows = task_results(task, out, cfg.predict.probs, d.device)
     embedded = task.embeddings(out["logits"], out["targets"]) if hasattr(task, "embeddings") else None
     write_predictions(cfg, out_dir, metrics, rows, d, embedded)
     return metrics.get(getattr(task, "monitor", "val/loss").split("/")[-1])
@@ -80,8 +81,8 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
     """Load the run's config and check the settings (before the process group: fail fast, on every
     rank alike), join the process group, predict into `out_dir`."""
     run_cfg = load_run_config(cfg, "predict", heldout.SPLITS)
-    # task.teacher (task=distil): the run's copy, on the CPU, where task_results computes the metrics
-    task, _ = teachers.build_task(run_cfg.task, Path(cfg.run_dir), torch.device("cpu"), own=True)
+    # task.teacher (task=distil): the run's copy, moved to the device once it is known (task_results runs there)
+    task, teacher = teachers.build_task(run_cfg.task, Path(cfg.run_dir), torch.device("cpu"), own=True)
     if (own := getattr(task, "predict_job", None)) is not None:  # task=lm: decoding answers, sampling text
         return own(cfg, run_cfg, out_dir)
     defaults = cast(DictConfig, OmegaConf.load(DEFAULTS))
@@ -97,6 +98,8 @@ def predict_run(cfg: DictConfig, out_dir: Path) -> float | None:
         raise ConfigError(f"predict.probs=true: the predictions of {type(task).__name__} have no class probabilities")
     options.check_run(Path(cfg.run_dir), run_cfg)  # the split is rebuilt here
     d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s)
+    if teacher is not None:
+        teacher.to(d.device)
     value = run(cfg, run_cfg, task, d, out_dir)
     dist.teardown(finished=True)  # before the interpreter exits, see teardown
     return value

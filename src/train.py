@@ -53,7 +53,7 @@ def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) 
     items: int | torch.Tensor = windows.samples[window]  # its real samples, all ranks
     if s.task.items_name:  # counted in the data (fetched first, so known before the first backward): one
         counts = sum(s.task.items(s.unpack(batch)[1]) for batch in micro)  # all-reduce of a number per step
-        items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64))
+        items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64, non_blocking=True))  # a GPU: no wait
     # The gradient is the mean over the window's items of all ranks, also for a short window (items, not
     # K x batch). DDP and FSDP average over ranks: hence world_size.
     return micro, items, s.d.world_size / items

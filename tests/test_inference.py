@@ -210,7 +210,7 @@ def test_predict_counts_the_samples_of_a_structured_target_not_its_fields():
 
     torch.manual_seed(0)
     out = {"logits": torch.randn(359, 3), "targets": (torch.randint(0, 3, (359,)), torch.randn(359, 4))}
-    metrics, rows = task_results(_PairTarget(), out, probs=False)
+    metrics, rows = task_results(_PairTarget(), out, probs=False, device=torch.device("cpu"))
     assert metrics["samples"] == 359 and len(rows) == 1 + 359
 
 

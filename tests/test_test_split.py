@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from test_experiments import _skip_md5, write_fake_cifar10
 
 from helpers import ROOT, compose_cfg, final_test_row, rows, run_in_process, run_train
+from test_experiments import _skip_md5, write_fake_cifar10
 from trainkit.data import addition
 from trainkit.data import pydoc_text as text
 from trainkit.data.digits import _bundled_digits, digits

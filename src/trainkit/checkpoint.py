@@ -466,7 +466,8 @@ def snapshot(
     (The train loader needs nothing: its generator and batches are seeded from (seed, epoch).)
     Under "ranks": what differs between ranks (RNG streams, the unreduced loss sums)."""
     tensors = [p.to_local() if isinstance(p, DTensor) else p for p in (*model.parameters(), *model.buffers())]
-    if d.any(not all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())):  # all save, or none
+    finite = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]  # one host sync, not one a tensor
+    if d.any(not bool(torch.stack(finite).all()) if finite else False):  # all save, or none
         raise RunError(f"refusing to checkpoint non-finite weights or buffers at step {progress['step']}")
     if isinstance(model, FSDPModule):
         model_state, optimizer_state = get_state_dict(model, optimizer)  # type: ignore[arg-type]  # an nn.Module too

@@ -101,8 +101,9 @@ class CoupledWindows:
         """d(scale x loss_sum of the global batch) / d(this rank's outputs), one tensor per micro-batch (times
         the scaler's scale). Every rank computes the same loss of the same gathered outputs."""
         local = torch.cat(outputs).float()  # the loss in float32 also under autocast
-        mine = torch.tensor([len(local)], device=local.device)
-        sizes = gather(mine, self.d).tolist()  # every rank's rows, in rank order
+        sizes = [len(local)]  # every rank's rows, in rank order; one process: no host sync for them
+        if self.d.distributed:  # (gather pads to the largest rank's rows: its shapes wait on the device anyway)
+            sizes = gather(torch.tensor([len(local)], device=local.device), self.d).tolist()
         everyone = gather(local, self.d).requires_grad_()
         target = gather(torch.cat(targets), self.d)
         loss_sum = self.task.loss_sum(everyone, target)  # loss_terms: [loss, *terms], the loss first

@@ -35,13 +35,13 @@ class Classification:
         return F.cross_entropy(output, target, reduction="sum", label_smoothing=self.label_smoothing)
 
     def items(self, target: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(len(target))
+        return torch.tensor(len(target), device=target.device)  # the batch's device: a GPU's, not the CPU
 
     def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """[loss sum, correct, samples] of one evaluation batch, float64 (evaluate all-reduces them)."""
         loss = F.cross_entropy(output.float(), target, reduction="sum")  # float32 also under autocast
         correct = (output.argmax(dim=1) == target).sum()
-        return torch.stack([loss.double(), correct.double(), torch.tensor(len(target), dtype=torch.float64)])
+        return torch.stack([loss.double(), correct.double(), target.new_full((), len(target), dtype=torch.float64)])
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, correct, samples = sums

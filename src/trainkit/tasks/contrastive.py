@@ -76,7 +76,7 @@ class Contrastive:
         return nt_xent(output, self.temperature).sum() / 2
 
     def items(self, target: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(len(target))
+        return torch.tensor(len(target), device=target.device)
 
     @torch.inference_mode()
     def prepare_eval(self, model: nn.Module, d: Dist, autocast) -> None:
@@ -93,7 +93,7 @@ class Contrastive:
     def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         predicted = knn_predict(output.float(), self.bank_embeddings, self.bank_labels, self.knn_k)
         correct = (predicted == target).sum().double()
-        return torch.stack([correct, torch.tensor(float(len(target)), dtype=torch.float64, device=correct.device)])
+        return torch.stack([correct, correct.new_full((), len(target))])
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         correct, samples = sums

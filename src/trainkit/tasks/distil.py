@@ -85,7 +85,7 @@ class Distil:
         return torch.stack([(1 - self.alpha) * ce + self.alpha * kd, ce, kd])
 
     def items(self, target) -> torch.Tensor:
-        return torch.tensor(len(target[0]))
+        return torch.tensor(len(target[0]), device=target[0].device)
 
     def eval_sums(self, inputs, output: torch.Tensor, target) -> torch.Tensor:
         """[loss, ce, kd, correct, samples] of one evaluation batch, float64."""

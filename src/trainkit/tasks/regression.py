@@ -20,7 +20,7 @@ class Regression:
         return (output.reshape(target.shape) - target).pow(2).sum()
 
     def items(self, target: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(len(target))
+        return torch.tensor(len(target), device=target.device)
 
     def eval_sums(self, inputs: torch.Tensor, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """[squared errors, samples, sum of y, sum of y^2], float64 (evaluate all-reduces them)."""

@@ -1,0 +1,186 @@
+"""Every task trains, evaluates, checkpoints, resumes and predicts on a device that is not the CPU, and a step
+that neither logs, evaluates nor saves makes the host wait on the device for nothing (DESIGN rule 22).
+
+On a CPU-only machine a tensor made without a device is invisible: on the first GPU tried, every evaluation
+crashed on one `torch.tensor(len(target))`. These runs put the model and the batches on tests/another_device.py's
+DEVICE, which refuses a tensor on the wrong device as CUDA does and counts the calls that make the host wait on a
+GPU, while computing every number as the CPU does (so a run there must end with the CPU run's weights, bit for
+bit). Why that and not torch's `meta` device or FakeTensorMode: its docstring. The tasks are found by discovery
+(conf/task/*.yaml): a fork's task is run by the first experiment that uses it, else as the default job's task.
+On a machine with a GPU, `test_quiet_steps_do_not_wait_on_a_real_gpu` checks the same runs under
+`torch.cuda.set_sync_debug_mode("warn")` (scripts/gpu_check.sh runs it).
+"""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import train
+from another_device import CPU, DEVICE, on_another_device
+from helpers import ROOT, run_in_process, weights
+from test_experiments import EXPERIMENTS, compose_experiment, parent_overrides
+from trainkit import dist
+
+TASKS = sorted(p.stem for p in (ROOT / "conf" / "task").glob("*.yaml"))
+SHORT = ["trainer.max_steps=3", "trainer.log_every=3", "trainer.eval_every=2", "checkpoint.every=2"]
+SHORT += ["checkpoint.keep=5"]  # step 2's checkpoint is resumed from
+# What the runs also go through: the EMA (val_raw/*), early stopping's counter, the test pass (on by default)
+ALSO = ["trainer.ema.decay=0.5", "trainer.early_stopping.patience=5"]
+SMALL = {  # an experiment's data made small: seconds on the emulated device (every op runs through Python)
+    "addition": ["data.num_train=64", "data.num_val=24", "data.batch_size=8", "model.n_layer=1", "model.n_embd=16"],
+    "digits_views": ["data.splits.val_fraction=0.05", "data.splits.test_fraction=0.05", "data.batch_size=16"],
+    "digits": ["data.splits.val_fraction=0.05", "data.splits.test_fraction=0.05"],
+    "diabetes": [],
+}
+
+
+def _task_target(name: str) -> str:
+    return OmegaConf.load(ROOT / "conf" / "task" / f"{name}.yaml")._target_
+
+
+def _one_run(name: str) -> bool:
+    """An experiment that is one run (not a sweep or a search)."""
+    text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
+    return "mode: MULTIRUN" not in text and "hparams_search" not in text
+
+
+def overrides_for(task: str, tmp: Path) -> list[str]:
+    """The first one-process experiment whose task is `task` (a parent made for it where it builds on one), made
+    small; the default job (task=<task>) where no experiment uses it."""
+    for name in filter(_one_run, EXPERIMENTS):
+        cfg = compose_experiment(name)
+        one_process = cfg.parallel.mode not in ("ddp", "fsdp") and not cfg.parallel.get("nproc_per_node")
+        if cfg.task._target_ == _task_target(task) and cfg.data.name in SMALL and one_process:
+            if "init" in cfg.model and OmegaConf.is_missing(cfg.model.init, "from"):
+                continue  # a fine-tune or probe of another experiment's run: that run's task is covered there
+            return [f"+experiment={name}", *SMALL[cfg.data.name], *parent_overrides(name, tmp)]
+    return [f"task={task}", *SMALL["digits"]]
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """trainer.device=auto (the default) resolves to DEVICE, =cpu to the CPU; runs on DEVICE go inside
+    on_another_device(), which yields their host syncs (another_device.Syncs). Attention by the math kernel on
+    both: on the CPU torch picks a fused one, on a device it has no kernel for the math one (2e-7 apart)."""
+    monkeypatch.setattr(dist, "resolve_device", lambda spec, *args, **kwargs: CPU if spec == "cpu" else DEVICE)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+@pytest.fixture
+def quiet_steps(monkeypatch):
+    """The optimizer steps after which the loop neither logs, evaluates nor saves (train.Cadence said nothing),
+    and each step's start marked in `marks` (a callable: the step number)."""
+    quiet: set[int] = set()
+    marks = []
+
+    class Recorded(train.Cadence):
+        def after(self, step):
+            due = super().after(step)
+            if not due:
+                quiet.add(step - 1)  # the step that ran is step - 1 (0-based), its number after it is `step`
+            return due
+
+    def marked(step_once):
+        def run(s, windows, window, step):
+            for mark in marks:
+                mark(step)
+            return step_once(s, windows, window, step)
+
+        return run
+
+    monkeypatch.setattr(train, "Cadence", Recorded)
+    monkeypatch.setattr(train, "bare_step", marked(train.bare_step))
+    monkeypatch.setattr(train, "optimizer_step", marked(train.optimizer_step))
+    return quiet, marks
+
+
+def waits(syncs, quiet: set[int]) -> dict[int, list]:
+    """{quiet step: the host syncs it made}, only those that made any."""
+    return {step: syncs.at(step) for step in sorted(quiet) if syncs.at(step)}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_task_runs_its_every_path_on_another_device(task, device, quiet_steps, tmp_path):
+    """Train (evaluations, EMA, early stopping's counter, a checkpoint, the best weights, the test pass), then
+    predict.py on the device; the device's step-2 checkpoint resumed on the CPU ends with the device run's weights,
+    bit for bit (what is computed does not depend on the device, and a checkpoint moves between them). The quiet
+    steps waited on the device for nothing."""
+    quiet, marks = quiet_steps
+    overrides = [*overrides_for(task, tmp_path), *SHORT, *ALSO]
+    with on_another_device() as syncs:
+        marks.append(syncs.begin_step)
+        out = run_in_process(tmp_path / "run", *overrides)
+        marks.clear()
+        run_in_process(tmp_path / "predict", f"run_dir={tmp_path / 'run'}", script="predict")
+    assert f" on {DEVICE} |" in out and "done: 3 steps" in out, out
+    assert (tmp_path / "run" / "model_best.pt").is_file() and (tmp_path / "run" / "model_ema.pt").is_file()
+    assert quiet, "no quiet step: the run checked nothing"
+    assert not waits(syncs, quiet), waits(syncs, quiet)
+    assert any((tmp_path / "predict").glob("*.csv")) or (tmp_path / "predict" / "embeddings.pt").is_file()
+
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    run_in_process(tmp_path / "cpu", *overrides, f"checkpoint.resume={step2}", "trainer.device=cpu")
+    assert_bit_equal(weights(tmp_path / "cpu"), weights(tmp_path / "run"))
+
+
+LAYOUTS = [["data.batch_size=8", "accumulation.steps=4"], ["data.batch_size=auto", "accumulation.global_batch_size=32"]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["K=4", "auto"])
+def test_default_job_at_k_4_and_auto_from_a_cpu_checkpoint_then_eval_on_another_device(
+    layout, device, quiet_steps, tmp_path
+):
+    """The other way: a CPU run's checkpoint resumed on the device ends with the CPU run's weights, at K=4 and with
+    data.batch_size=auto (the found micro-batch is in the checkpoint); its quiet steps wait for nothing; then
+    eval.py on the device."""
+    quiet, marks = quiet_steps
+    every_6 = ["trainer.max_steps=6", "trainer.log_every=6", "trainer.eval_every=6"]  # steps 3 and 5 quiet
+    overrides = [*SMALL["digits"], *SHORT, *layout, *every_6]
+    run_in_process(tmp_path / "cpu", *overrides, "trainer.device=cpu")
+    quiet.clear()  # the device run's
+    step2 = tmp_path / "cpu" / "checkpoints" / "step_00000002.pt"
+    with on_another_device() as syncs:
+        marks.append(syncs.begin_step)
+        out = run_in_process(tmp_path / "run", *overrides, f"checkpoint.resume={step2}")
+        marks.clear()
+        run_in_process(tmp_path / "eval", f"run_dir={tmp_path / 'run'}", "split=test", script="eval")
+    assert f" on {DEVICE} |" in out and "done: 6 steps" in out, out
+    assert_bit_equal(weights(tmp_path / "run"), weights(tmp_path / "cpu"))
+    assert quiet and not waits(syncs, quiet), (quiet, waits(syncs, quiet))
+    assert "test/acc" in (tmp_path / "eval" / "metrics.json").read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: scripts/gpu_check.sh runs it")
+@pytest.mark.parametrize("task", TASKS)
+def test_quiet_steps_do_not_wait_on_a_real_gpu(task, quiet_steps, tmp_path):
+    """The same runs on CUDA under torch.cuda.set_sync_debug_mode("warn"): no warning on a quiet step."""
+    quiet, marks = quiet_steps
+    per_step: dict[int, list[str]] = {}  # the sync warnings of each step, from its start to the next one's
+    running: list[int] = []
+
+    def mark(step: int) -> None:
+        if running:
+            per_step[running[-1]] = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        caught.clear()
+        running.append(step)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        marks.append(mark)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_in_process(tmp_path / "run", *overrides_for(task, tmp_path), *SHORT, "trainer.device=cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert quiet and not {step: per_step[step] for step in quiet if per_step.get(step)}, per_step
+
+
+def assert_bit_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different

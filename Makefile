@@ -1,4 +1,5 @@
-# make train: set up .venv from pyproject.toml and run the default job. make test: set up and test.
+# make train: set up .venv from pyproject.toml (torch and torchvision at the tested versions of constraints.txt)
+# and run the default job. make test: set up and test.
 # (make test runs the test files on TEST_WORKERS pytest-xdist workers, 2 by default: a test waits on its processes'
 # start-up and rendezvous much of the time, so two at once fill two cores; TEST_WORKERS=0 runs them one by one.
 # It prints the 15 slowest tests; ARGS add to or override pytest's options, e.g. ARGS="-m 'not slow'".)
@@ -10,9 +11,9 @@ TEST_WORKERS ?= 2
 
 .PHONY: train test lint format clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $@
 
 train: $(VENV)/.installed

@@ -49,7 +49,8 @@ target=(--only-binary=:all: --python-version "$VERSION" --implementation cp "${p
 # The resolving interpreter: the node's version if this machine has one (its markers are then the node's).
 RESOLVER=$(command -v "python$VERSION" 2>/dev/null || true)
 if [[ -n $RESOLVER ]] && ! "$RESOLVER" -m pip --version > /dev/null 2>&1; then  # e.g. a pyenv shim of no version
-    RESOLVER=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$VERSION"*/bin/python 2>/dev/null | tail -1 || true)
+    found=("${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$VERSION"*/bin/python)
+    RESOLVER=${found[-1]}
 fi
 [[ -n $RESOLVER ]] && "$RESOLVER" -m pip --version > /dev/null 2>&1 || RESOLVER=""
 markers=()

@@ -155,3 +155,22 @@ def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(
     )
     lines = run_script("scripts/compare_runs.py", one, two).stdout.splitlines()
     assert [line.split() for line in lines[1:]] == [["10", "2.50e-01"], ["20", "-"], ["end", "1.00e+00"]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: scripts/gpu_check.sh would run its checks")
+def test_gpu_check_without_a_gpu_exits_2_with_one_line_in_both_sizes_and_its_help_says_both(tmp_path):
+    """scripts/gpu_check.sh (issue 52): on a machine without CUDA, the full check and --quick stop at once with one
+    line and exit 2, leaving no log dir; --help gives both sizes and their time budgets."""
+    env = dict(os.environ, PY=sys.executable, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1")
+    for args in ([], ["--quick"]):
+        proc = subprocess.run(
+            ["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.splitlines() == ["error: no CUDA device visible (torch.cuda.device_count() = 0)"]
+        assert proc.stdout == "" and not (tmp_path / "out").exists()
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "--quick    at most 4 minutes on one GPU" in proc.stdout
+    assert "the full check: about 7 minutes" in proc.stdout and "exit status" in proc.stdout
+    wrong = subprocess.run(["bash", "scripts/gpu_check.sh", "--fast"], cwd=ROOT, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "unknown argument --fast" in wrong.stderr

@@ -21,11 +21,12 @@ resume recomputes them from this run's config: checkpoint._apply_hyperparameters
 """
 
 import fnmatch
+import inspect
 import types
 from dataclasses import dataclass
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
@@ -33,6 +34,7 @@ from trainkit.errors import ConfigError
 GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen")
 FROZEN_BATCHNORM = ("eval", "train")  # optim.frozen_batchnorm
 TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm")  # not the optimizer's
+FUSED = ("auto", True, False)  # optim.fused
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -119,14 +121,22 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
     return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"))
 
 
-def build(optim: DictConfig, model: torch.nn.Module, groups: Plan | None = None) -> torch.optim.Optimizer:
+def build(
+    optim: DictConfig, model: torch.nn.Module, groups: Plan | None = None, device: torch.device | None = None
+) -> torch.optim.Optimizer:
     """cfg.optim's optimizer over `model`'s parameters (the UNWRAPPED module after wrapping: under FSDP its
-    DTensor shards), grouped by name by `groups` (None: planned on `model` itself); frozen ones left out."""
+    DTensor shards) on `device`, grouped by name by `groups` (None: planned on `model` itself); frozen ones left
+    out."""
     plan_ = plan(optim, model) if groups is None else groups
     kwargs = OmegaConf.to_container(optim, resolve=True)
     assert isinstance(kwargs, dict)
     for key in TRAINKIT_KEYS:
         kwargs.pop(key, None)
+    if kwargs.get("fused") == "auto":  # optim.fused (adamw, sgd); an optimizer without the argument keeps its own
+        takes = "fused" in inspect.signature(get_class(kwargs["_target_"])).parameters
+        kwargs["fused"] = fused_kernel(device or torch.device("cpu")) if takes else None
+        if kwargs["fused"] is None:
+            kwargs.pop("fused")
     lr = kwargs["lr"]
     by_setting: dict[tuple[float, float | None], list[torch.nn.Parameter]] = {}  # in the parameters' order
     for name, p in model.named_parameters():
@@ -143,8 +153,17 @@ def build(optim: DictConfig, model: torch.nn.Module, groups: Plan | None = None)
     return instantiate(kwargs)(param_groups)
 
 
+def fused_kernel(device: torch.device) -> bool | None:
+    """optim.fused=auto: on CUDA torch's fused kernel, one launch for every parameter's update (its default there
+    is foreach, a launch per op over lists), which also takes fp16's GradScaler inf check without a host sync;
+    elsewhere None, torch's own choice (on the CPU a loop per parameter). true / false go to torch as they are."""
+    return True if device.type == "cuda" else None
+
+
 def check(optim: DictConfig) -> None:
     """Values refused before anything runs (the names are checked against the model in `plan`)."""
+    if (fused := optim.get("fused", "auto")) not in FUSED:
+        raise ConfigError(f"optim.fused={fused} is not one of: auto, true, false")
     if (decay := optim.get("layer_decay")) is not None and not (
         isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1
     ):

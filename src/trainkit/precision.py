@@ -19,3 +19,14 @@ def autocast_for(precision: str, device: torch.device):
     if precision not in _DTYPES:
         return contextlib.nullcontext
     return partial(torch.autocast, device.type, dtype=_DTYPES[precision])
+
+
+def use_tf32(enabled: bool, device: torch.device) -> None:
+    """trainer.tf32 (default true): fp32 matrix products and convolutions on a GPU's TF32 tensor cores (Ampere and
+    later: several times the fp32 rate; the products' inputs keep a 10-bit mantissa, the sums stay fp32), as
+    nanoGPT and most recipes set it. false: IEEE fp32 throughout. Only CUDA has it: on the CPU nothing changes."""
+    if device.type != "cuda":
+        return
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision  # torch's API since 2.9 (allow_tf32 is its legacy one)
+    torch.backends.cudnn.conv.fp32_precision = precision

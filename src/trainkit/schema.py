@@ -49,6 +49,7 @@ class Trainer:
     log_every: int = 50
     on_nonfinite: str = "raise"
     compile: Any = False  # false | true | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    tf32: bool = True  # CUDA: fp32 matrix products and convolutions on TF32 tensor cores (trainkit/precision.py)
     test: bool = True  # at the end: the best (else last) weights on the test split
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     ema: EMA = field(default_factory=EMA)
@@ -153,6 +154,7 @@ class AdamW:
     groups: list[Any] = field(default_factory=list)
     layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
     frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
+    fused: Any = "auto"  # auto: the fused kernel on CUDA, torch's choice elsewhere | true | false (trainkit/optim.py)
 
 
 @dataclass
@@ -168,6 +170,7 @@ class SGD:
     groups: list[Any] = field(default_factory=list)
     layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
     frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
+    fused: Any = "auto"  # auto: the fused kernel on CUDA, torch's choice elsewhere | true | false (trainkit/optim.py)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from trainkit.ema import EMA
 from trainkit.guard import StepGuard
 from trainkit.metrics import TrainMeter
 from trainkit.parallel import WRAP_SETTINGS, unwrap, wrap
-from trainkit.precision import autocast_for
+from trainkit.precision import autocast_for, use_tf32
 from trainkit.rng import seed_all
 
 
@@ -74,10 +74,11 @@ def build(
     groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
     if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
         d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
-    optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
+    optimizer = optim.build(cfg.optim, unwrap(model), groups, d.device)  # by name: FSDP's shards, DDP's own
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
     autocast = autocast_for(cfg.trainer.precision, d.device)
+    use_tf32(cfg.trainer.tf32, d.device)  # fp32 matrix products on TF32 tensor cores (CUDA; default on)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)
     auto.attach(model)  # the ranks agree on out of memory at the end of a window's last forward

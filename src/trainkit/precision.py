@@ -29,4 +29,4 @@ def use_tf32(enabled: bool, device: torch.device) -> None:
         return
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision  # torch's API since 2.9 (allow_tf32 is its legacy one)
-    torch.backends.cudnn.conv.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]  # no stub

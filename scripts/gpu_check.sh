@@ -8,7 +8,7 @@
 # Both run what a GPU user runs first: the README's own commands on CUDA (the default job, trainer.device=cuda, a
 # model override, predict.py, a sweep and its report; with two GPUs or more torchrun DDP and self-launched DDP
 # (parallel.nproc_per_node)), fp32, bf16 and fp16 training, torch.compile, the test suite's CUDA-only tests
-# (pytest -k cuda, and tests/test_device_clean.py's host-sync counts), trainkit's overhead against the plain loop,
+# (pytest -k cuda: tests/test_device_clean.py's host-sync counts among them), trainkit's overhead against the plain loop,
 # and with two GPUs or more torch's SyncBN under DDP and FSDP over NCCL. --quick runs short runs
 # (trainer.max_steps), one overhead row, and stops starting rows when its budget is spent (each row is then
 # "skipped: --quick's budget spent"; a row that would outlive the budget is stopped). The full check adds the overhead of four
@@ -150,12 +150,12 @@ else
     row "SyncBN / FSDP under torchrun" "skipped: one GPU"
 fi
 
-# The tests that skip without CUDA (named so: -k cuda), and tests/test_device_clean.py's host-sync counts (-k
-# matches its module's name; nothing when the file is absent).
-name="CUDA-only tests (pytest -k 'cuda or device_clean')"
+# The tests that skip without CUDA (named so: -k cuda), tests/test_device_clean.py's host-sync counts on the GPU
+# among them (its emulated-device tests need no GPU: the CPU suite runs them).
+name="CUDA-only tests (pytest -k cuda)"
 if [[ $(left) -lt 5 ]]; then
     row "$name" "skipped: --quick's budget spent"
-elif timeout --kill-after=10 "$(left)" "$PY" -m pytest -q -k "cuda or device_clean" -p no:cacheprovider \
+elif timeout --kill-after=10 "$(left)" "$PY" -m pytest -q -k cuda -p no:cacheprovider \
     --basetemp "$RUNS/pytest" tests > "$OUT/$(slug "$name").log" 2>&1; then
     row "$name" "$(tail -1 "$OUT/$(slug "$name").log")"
 else

@@ -7,7 +7,7 @@ DEVICE, which refuses a tensor on the wrong device as CUDA does and counts the c
 GPU, while computing every number as the CPU does (so a run there must end with the CPU run's weights, bit for
 bit). Why that and not torch's `meta` device or FakeTensorMode: its docstring. The tasks are found by discovery
 (conf/task/*.yaml): a fork's task is run by the first experiment that uses it, else as the default job's task.
-On a machine with a GPU, `test_quiet_steps_do_not_wait_on_a_real_gpu` checks the same runs under
+On a machine with a GPU, `test_quiet_steps_do_not_wait_on_cuda` checks the same runs under
 `torch.cuda.set_sync_debug_mode("warn")` (scripts/gpu_check.sh runs it).
 """
 
@@ -157,7 +157,7 @@ def test_default_job_at_k_4_and_auto_from_a_cpu_checkpoint_then_eval_on_another_
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: scripts/gpu_check.sh runs it")
 @pytest.mark.parametrize("task", TASKS)
-def test_quiet_steps_do_not_wait_on_a_real_gpu(task, quiet_steps, tmp_path):
+def test_quiet_steps_do_not_wait_on_cuda(task, quiet_steps, tmp_path):
     """The same runs on CUDA under torch.cuda.set_sync_debug_mode("warn"): no warning on a quiet step."""
     quiet, marks = quiet_steps
     per_step: dict[int, list[str]] = {}  # the sync warnings of each step, from its start to the next one's

@@ -130,6 +130,7 @@ def test_a_resume_mid_row_logs_the_same_row_without_the_teacher_s_dir(one, tmp_p
 
 def test_the_teacher_stays_frozen_and_a_terms_shape_is_checked():
     frozen = Frozen(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2), nn.Dropout(0.5)), parent=None)  # type: ignore[arg-type]
+    assert not frozen.training and not any(m.training for m in frozen.modules())  # as built: the wrapper too
     frozen.train()
     assert not frozen.training and not any(m.training for m in frozen.modules())
     x = torch.randn(4, 3, requires_grad=True)

@@ -32,8 +32,9 @@ class Frozen(nn.Module):
 
     def __init__(self, module: nn.Module, parent: Parent):
         super().__init__()
-        self.module = module.eval().requires_grad_(False)
+        self.module = module.requires_grad_(False)
         self.parent = parent
+        self.train(False)  # the wrapper too (nn.Module starts in training mode): it says what its modules are
 
     def train(self, mode: bool = True) -> "Frozen":
         return super().train(False)  # BatchNorm's running statistics, dropout off: a fixed function

@@ -5,6 +5,7 @@ or model.pt and is counted in the summary."""
 
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.metrics import TrainMeter
 from trainkit.parallel import CommStats
+from trainkit.precision import autocast_for
 from trainkit.tasks.distil import Distil
 from trainkit.teacher import Frozen
 
@@ -168,3 +170,36 @@ def test_a_bad_teacher_is_one_line(one, teacher, message):
     cfg = OmegaConf.create({"_target_": "trainkit.tasks.distil.Distil", "teacher": node})
     with pytest.raises(ConfigError, match=message):
         build_task(cfg, None, torch.device("cpu"), own=False)
+
+
+def test_the_kd_term_is_t_squared_times_the_kl_by_hand_and_the_teacher_computes_as_its_module():
+    """T=3 on a fixed batch of 3: kd = T^2 x sum over samples of KL(softmax(t / T) || softmax(s / T)), computed by
+    hand in float64; ce the plain summed cross-entropy. The teacher's logits are its module's, exactly, under the
+    run's precision (no autocast of another dtype, none turned off): fp32 and bf16."""
+    module = nn.Linear(4, 3)
+    with torch.no_grad():
+        module.weight.copy_(torch.tensor([[0.5, -1.0, 0.25, 2.0], [1.5, 0.5, -0.5, 0.0], [-1.0, 1.0, 1.0, -0.5]]))
+        module.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = torch.tensor([[1.0, 0.0, -1.0, 0.5], [0.5, 2.0, 0.0, -1.0], [-1.5, 0.5, 1.0, 1.0]])
+    student = torch.tensor([[2.0, -1.0, 0.5], [0.0, 0.3, -0.7], [1.2, 1.1, -2.0]])
+    label = torch.tensor([0, 2, 1])
+    frozen = Frozen(module, parent=None)  # type: ignore[arg-type]
+    ce, kd = Distil(frozen, temperature=3.0, alpha=0.3).loss_sum(student, (label, x))[1:].tolist()
+
+    def log_softmax(row: list[float]) -> list[float]:
+        top = max(row)
+        total = math.log(sum(math.exp(v - top) for v in row)) + top
+        return [v - total for v in row]
+
+    teacher = module(x).double().tolist()
+    hand_kd, hand_ce = 0.0, 0.0
+    for t_row, s_row, y in zip(teacher, student.double().tolist(), label.tolist(), strict=True):
+        log_p, log_q = log_softmax([v / 3 for v in t_row]), log_softmax([v / 3 for v in s_row])
+        hand_kd += 9 * sum(math.exp(a) * (a - b) for a, b in zip(log_p, log_q, strict=True))
+        hand_ce -= log_softmax(s_row)[y]
+    assert kd == pytest.approx(hand_kd, rel=1e-5) and hand_kd > 0.1  # a KL of its own size, not ~0
+    assert ce == pytest.approx(hand_ce, rel=1e-6)
+    for precision in ("fp32", "bf16"):
+        with autocast_for(precision, torch.device("cpu"))():
+            got, plain = frozen(x), module(x)
+        assert got.dtype == plain.dtype and torch.equal(got, plain), precision

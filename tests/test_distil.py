@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -20,6 +21,7 @@ from trainkit.errors import ConfigError
 from trainkit.metrics import TrainMeter
 from trainkit.parallel import CommStats
 from trainkit.precision import autocast_for
+from trainkit.progress import Progress
 from trainkit.tasks.distil import Distil
 from trainkit.teacher import Frozen
 
@@ -203,3 +205,16 @@ def test_the_kd_term_is_t_squared_times_the_kl_by_hand_and_the_teacher_computes_
         with autocast_for(precision, torch.device("cpu"))():
             got, plain = frozen(x), module(x)
         assert got.dtype == plain.dtype and torch.equal(got, plain), precision
+
+
+def test_the_train_line_shows_every_loss_term(one, capsys):
+    """Every `loss/<term>` of the row (the engine names none), after the loss; a row without terms as before."""
+    *_, out = one
+    assert re.search(r"step +3/6 \| epoch 0 \| loss \d+\.\d{4} \| loss/ce \d+\.\d{4} \| loss/kd \d+\.\d{4} \| lr ", out)
+    row = {"loss": 1.0, "loss/a": 2.0, "loss/b": 3.0, "lr": 0.1, "grad_norm": 0.5, "samples_per_s": 100.0}
+    with Progress(True, 6, 0) as console:
+        console.train_line(3, 6, 0, row)
+        console.train_line(6, 6, 0, {k: v for k, v in row.items() if not k.startswith("loss/")})
+    first, second = capsys.readouterr().out.splitlines()
+    assert "| loss 1.0000 | loss/a 2.0000 | loss/b 3.0000 | lr 1.00e-01 |" in first
+    assert "| loss 1.0000 | lr 1.00e-01 |" in second

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT, max_diff, rows, run_in_process, weights
+from helpers import ROOT, compose_cfg, make_parent, max_diff, rows, run_in_process, weights
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.metrics import TrainMeter
@@ -23,7 +23,7 @@ from trainkit.parallel import CommStats
 from trainkit.precision import autocast_for
 from trainkit.progress import Progress
 from trainkit.tasks.distil import Distil
-from trainkit.teacher import Frozen
+from trainkit.teacher import Frozen, build_task
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 # SGD (equivalence on any CPU); rows every 3 steps, a checkpoint at step 4: mid-row
@@ -218,3 +218,27 @@ def test_the_train_line_shows_every_loss_term(one, capsys):
     first, second = capsys.readouterr().out.splitlines()
     assert "| loss 1.0000 | loss/a 2.0000 | loss/b 3.0000 | lr 1.00e-01 |" in first
     assert "| loss 1.0000 | lr 1.00e-01 |" in second
+
+
+@pytest.fixture(scope="module")
+def other_teachers(tmp_path_factory):
+    """Finished runs' dirs (config and initial weights, no training) of other data: diabetes; digits with 12
+    classes."""
+    base = tmp_path_factory.mktemp("other_teachers")
+    diabetes = make_parent(base / "diabetes", "data=diabetes", "model.width=8")
+    twelve = make_parent(base / "twelve", "model=cnn", "model.width=8", "data.num_classes=12")
+    return diabetes, twelve
+
+
+def test_a_teacher_of_other_data_is_refused_before_anything_is_written(other_teachers, tmp_path, capsys):
+    diabetes, twelve = other_teachers
+    student = compose_cfg("+experiment=digits_distil", f"task.teacher.from={twelve}")
+    with pytest.raises(ConfigError, match=r"data.num_classes=12.* data.num_classes=10"):
+        build_task(student.task, None, torch.device("cpu"), own=False, data=student.data)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        run_in_process(run_dir, *RUN, f"task.teacher.from={diabetes}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and not run_dir.exists()
+    said = r"task.teacher.from=\S*diabetes: the teacher ran on data=diabetes .*, this run is on data=digits"
+    assert re.search(said, err[0]), err[0]

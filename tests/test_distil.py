@@ -242,3 +242,37 @@ def test_a_teacher_of_other_data_is_refused_before_anything_is_written(other_tea
     assert exited.value.code == 2 and len(err) == 1 and not run_dir.exists()
     said = r"task.teacher.from=\S*diabetes: the teacher ran on data=diabetes .*, this run is on data=digits"
     assert re.search(said, err[0]), err[0]
+
+
+@pytest.mark.parametrize("change", ["task.alpha=0.9", "task.temperature=2.0", "task.teacher.from=OTHER"])
+def test_a_resume_that_changes_the_objective_or_the_teacher_is_refused(one, other_teachers, tmp_path, capsys, change):
+    """task.* is what the run optimizes (the loss, its teacher): part of the run's identity, as the model is. A
+    resume in the run's own dir (its teacher/ copy there) with another value: one line naming the key, the run dir
+    as it was (.hydra/config.yaml keeps the run's values)."""
+    base, parent, _ = one
+    resumed = tmp_path / "resumed"
+    shutil.copytree(base / "one", resumed)
+    for name in ("model.pt", "model_best.pt", "checkpoints/step_00000006.pt", "checkpoints/best.pt"):
+        (resumed / name).unlink()
+    config = (resumed / ".hydra" / "config.yaml").read_text()
+    if "OTHER" in change:  # a teacher that fits the run: still another one
+        change = change.replace("OTHER", str(make_parent(tmp_path / "other", "model=cnn", "model.width=8")))
+    key, value = change.split("=")
+    teacher = [f"task.teacher.from={parent}"] * (key != "task.teacher.from")
+    overrides = [o for o in RUN if not o.startswith(key)] + teacher
+    with pytest.raises(SystemExit) as exited:
+        run_in_process(resumed, *overrides, change, "trainer.max_steps=8")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1, err
+    assert re.search(rf"written with {re.escape(key)}=\S+, this run has {re.escape(change)};", err[0]), err[0]
+    assert (resumed / ".hydra" / "config.yaml").read_text() == config
+
+
+def test_a_checkpoint_written_before_task_joined_the_identity_is_judged_by_its_settings():
+    from trainkit.checkpoint import check_compatible, recorded
+
+    old = {"identity": {"seed": 0}, "settings": {"seed": 0, "task.alpha": 0.5, "optim.lr": 0.1}}
+    check_compatible(recorded(old), {"seed": 0, "task.alpha": 0.5})
+    with pytest.raises(ConfigError, match=r"written with task.alpha=0.5, this run has task.alpha=0.9;"):
+        check_compatible(recorded(old), {"seed": 0, "task.alpha": 0.9})
+    check_compatible(recorded({"identity": {"seed": 0}}), {"seed": 0, "task.alpha": 0.9})  # none recorded: not judged

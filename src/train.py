@@ -165,7 +165,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
     # What is learned: the loss of a batch's items, the evaluation sums; task.teacher: a frozen run beside the model
     # (a resume reads the copy in its run dir: the teacher's own dir may be gone)
-    task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None)
+    # (a teacher of other data than cfg.data is refused here, before the run dir is written)
+    task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None, data=cfg.data)
     net = instantiate(parent.model_node(cfg))  # cfg.model less model.init
     # model.init.from: a finished run's weights, before wrapping. Not on a resume: its checkpoint holds the
     # weights, and the parent's dir may be gone (what the run needs of it is in run_dir/parent).

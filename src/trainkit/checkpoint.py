@@ -367,6 +367,13 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
         **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
+        # What the run optimizes: the task's loss and all it reads (label smoothing; distil's alpha, temperature and
+        # teacher; a contrastive temperature) and how an evaluation measures it (the best checkpoint and early
+        # stopping compare evaluations across the run). Another value would continue another objective from this
+        # one's weights, said nowhere, and .hydra/config.yaml would record it for the whole run: refused, naming
+        # the key. task.teacher.from (and .weights) too: a resume reads the teacher's copy in the run dir
+        # (trainkit/teacher.py), so another teacher would be silently ignored, not applied.
+        **flatten(OmegaConf.to_container(cfg.task, resolve=True), "task"),
         "data.train_samples": len(train_set),  # last (a key above names a change first): e.g. debug=limit's
     }
     identity.pop("model.activation_checkpointing", None)  # memory against compute: the same run, bit for bit
@@ -396,7 +403,7 @@ def check_compatible(saved: dict, current: dict) -> None:
     by its checksum alone and said with its source."""
     saved = BEFORE_RECORDED | saved
     for key in current:
-        if key == "data.train_samples" and key not in saved:
+        if key not in saved and (key == "data.train_samples" or key.startswith("task.")):
             continue  # a checkpoint written before trainkit recorded it: its config's keys still decide
         if not _same(_content(saved.get(key)), _content(current[key])):
             hint = (
@@ -409,6 +416,12 @@ def check_compatible(saved: dict, current: dict) -> None:
                 f"this run has {key}={_said(current[key])}; exact resume needs the same "
                 f"(or choose another hydra.run.dir){hint}"
             )
+
+
+def recorded(resumed: dict) -> dict:
+    """The identity a checkpoint was written with. One written before task.* joined the identity has the task's
+    keys in its settings (every setting of its run): they decide, as the identity's would."""
+    return {k: v for k, v in resumed.get("settings", {}).items() if k.startswith("task.")} | resumed["identity"]
 
 
 def _same(a, b) -> bool:
@@ -592,7 +605,7 @@ def resume(
     s: train.py's StepParts; selection, val_batches, windows: the run's Selection, EvalBatches and TrainWindows."""
     if not resumed:
         return {"step": 0, "epoch": 0, "window": 0}
-    check_compatible(resumed["identity"], identity)
+    check_compatible(recorded(resumed), identity)
     if note := selection.load_state_dict(resumed.get("selection")):
         s.d.print0(f"resume: {note}")
     at = resumed["progress"]["step"]

@@ -40,10 +40,11 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:,.0f}")
 
     def train_line(self, step: int, total_steps: int, epoch: int, row: dict) -> None:
-        """A log row's line (and the bar's numbers)."""
+        """A log row's line (and the bar's numbers); a task's loss terms (`loss/<term>`: loss_terms) after the loss."""
         self.row(row["loss"], row["lr"], row["samples_per_s"])
+        terms = "".join(f" | {key} {value:.4f}" for key, value in row.items() if key.startswith("loss/"))
         self.print(
-            f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f}{terms} | lr {row['lr']:.2e} | "
             f"grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
             + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
         )

@@ -24,6 +24,9 @@ from trainkit.parent import Parent
 
 COPY = "teacher"  # the run dir's copy of its teacher
 KEYS = ("from", "weights")
+# What a teacher's inputs and outputs are, by its run's config: a run of other data reads other inputs (a traceback
+# at its first forward) or gives other classes (a refusal only at the first step, after the run dir was written).
+DATA_KEYS = ("name", "shape", "num_classes")
 
 
 class Frozen(nn.Module):
@@ -32,8 +35,9 @@ class Frozen(nn.Module):
 
     def __init__(self, module: nn.Module, parent: Parent):
         super().__init__()
-        self.module = module.eval().requires_grad_(False)
+        self.module = module.requires_grad_(False)
         self.parent = parent
+        self.train(False)  # the wrapper too (nn.Module starts in training mode): it says what its modules are
 
     def train(self, mode: bool = True) -> "Frozen":
         return super().train(False)  # BatchNorm's running statistics, dropout off: a fixed function
@@ -49,11 +53,33 @@ def node(task_cfg: DictConfig) -> DictConfig | None:
     return found if isinstance(found, DictConfig) else None
 
 
+def check_data(parent: Parent, data: DictConfig, source: Path) -> None:
+    """The teacher ran on this run's data: its config's data.name, data.shape (what it reads) and
+    data.num_classes (what it outputs) are this run's; else one line naming both, before the run writes anything
+    (a task that needs its teacher's outputs to fit the model's, as task=distil, gets them in a task of the same
+    data: the data decides the model's inputs and outputs)."""
+    if parent.config is None:  # a weights file: build_model refuses it
+        return
+    nodes = (parent.config.get("data") or OmegaConf.create(), data)  # the teacher's cfg.data, this run's
+    ran, runs = ({k: _plain(OmegaConf.select(node, k, default=None)) for k in DATA_KEYS} for node in nodes)
+    if ran != runs:
+        said = lambda d: f"data={d['name']} (data.shape={d['shape']}, data.num_classes={d['num_classes']})"  # noqa: E731
+        raise ConfigError(
+            f"{parent.key}.from={source}: the teacher ran on {said(ran)}, this run is on {said(runs)}: "
+            "the teacher must be a run of the same data"
+        )
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def build_task(
-    task_cfg: DictConfig, run_dir: Path | None, device: torch.device, own: bool
+    task_cfg: DictConfig, run_dir: Path | None, device: torch.device, own: bool, data: DictConfig | None = None
 ) -> tuple[Any, Frozen | None]:
     """The task (instantiate(cfg.task)) and its frozen teacher on `device` (None without one). own: read the run
-    dir's copy where it has one (a resume; eval.py and predict.py on the run), else task.teacher.from."""
+    dir's copy where it has one (a resume; eval.py and predict.py on the run), else task.teacher.from. data: this
+    run's cfg.data, which the teacher's run must share (check_data); train.py checks it, before it writes."""
     wanted = node(task_cfg)
     if wanted is None:
         return instantiate(task_cfg), None
@@ -64,6 +90,8 @@ def build_task(
     copy = Path(run_dir) / COPY if run_dir is not None else None
     source = copy if own and copy is not None and copy.is_dir() else Path(str(wanted["from"]))
     parent = Parent.open(source, weights=str(wanted.get("weights", "last")), key="task.teacher")
+    if data is not None:
+        check_data(parent, data, source)
     frozen = Frozen(parent.build_model(), parent).to(device)
     return instantiate(task_cfg, teacher=frozen), frozen
 

@@ -199,7 +199,8 @@ def test_train_windows_count_each_windows_real_samples_and_say_when_they_are_on_
                 windows.epoch(0)
                 fetched = [windows.fetch(w) for w in range(len(windows.samples))]
                 assert windows.on_device is on_device and windows.loader.in_memory is (type(dataset) is TensorDataset)
-                assert all((t.device.type == "meta") is (device == "meta") for micro in fetched for b in micro for t in b)
+                moved = [t.device.type == "meta" for micro in fetched for b in micro for t in b]
+                assert all(on_meta is (device == "meta") for on_meta in moved)
             per_rank.append([sum(len(b[1]) for b in micro) for micro in fetched])
         assert [sum(counts) for counts in zip(*per_rank, strict=True)] == windows.samples, (world_size, batch_size)
         assert sum(windows.samples) == 37

@@ -476,10 +476,15 @@ def data_paths(cfg, d: dist.Dist, steps: int, every: int) -> str:
         return call
 
     TrainWindows.fetch, TrainWindows.epoch = timed(fetch), timed(start)  # type: ignore[method-assign]
+    train_set = instantiate(cfg.data.splits)[0]
+    # The plain loops the data allows: the tensor loop needs a TensorDataset, the DataLoader loop (x, y) pairs that
+    # torch's collation stacks
+    loops = ["tensor"] if isinstance(train_set, TensorDataset) else []
+    loops += ["dataloader"] if not hasattr(train_set, "collate_fn") and isinstance(train_set[0], tuple) else []
     try:
         on_device = OmegaConf.merge(cfg, {"data": {"on_device": True}})
         with contextlib.redirect_stdout(io.StringIO()):
-            seconds = interleaved(on_device, d, steps, every, ["tensor", "dataloader", "trainkit loader"])
+            seconds = interleaved(on_device, d, steps, every, [*loops, "trainkit loader"])
     finally:
         TrainWindows.fetch, TrainWindows.epoch = fetch, start  # type: ignore[method-assign]
         waited, WAITED = WAITED, None
@@ -491,12 +496,15 @@ def data_paths(cfg, d: dist.Dist, steps: int, every: int) -> str:
         "tensor": "tensor-slicing loop",
         "dataloader": "DataLoader loop",
     }
+    base = next(name for name in ("tensor", "dataloader", "trainkit loader") if name in seconds)
     lines = [
-        "| data path | us per step | time/data_wait | speed / tensor-slicing loop (8 parts) |",
+        f"| data path | us per step | time/data_wait | speed / {names[base]} (8 parts) |",
         "|---|---:|---:|---|",
     ]
     for name, label in names.items():
-        parts = segment_ratio({"trainkit": seconds[name], "tensor": seconds["tensor"]}, "tensor")
+        if name not in seconds:
+            continue
+        parts = segment_ratio({"trainkit": seconds[name], "base": seconds[base]}, "base")
         ratio = f"{parts[0]:.3f} ({min(parts[1]):.2f}-{max(parts[1]):.2f})"
         lines.append(f"| {label} | {per_step[name]:,.1f} | {waited.get(name, 0.0) / timed[name]:.3f} | {ratio} |")
     return "\n".join(lines)

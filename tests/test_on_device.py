@@ -103,6 +103,7 @@ def test_the_loaders_batches_copied_ahead_are_the_same_batches_in_the_same_order
         for (gx, gy), (ex, ey) in zip(got, expected, strict=True):
             assert torch.equal(gx, ex) and torch.equal(gy, ey)
     assert [t.tolist() for t in ahead([torch.ones(1), torch.zeros(1)], CPU)] == [[1.0], [0.0]]
+    assert TrainLoader(dataset, d, 5, 2, 3, 9).loader.persistent_workers  # workers live across epochs
 
 
 def test_a_resident_split_moves_its_tensors_once():

@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
@@ -189,8 +190,8 @@ class SeededBatches(Dataset):
         return samples
 
 
-ON_DEVICE = ("auto", True, False)  # data.on_device
-DEVICE_SHARE = 0.5  # data.on_device=auto: the train split on the device where it takes at most this share of its free
+DEVICE_SHARE = 0.5  # data.on_device=auto: the train split goes to the device where it takes at most this share of
+# the memory free there (the rest: the model, its optimizer state, activations)
 
 
 def tensor_form(dataset: Dataset) -> list[torch.Tensor] | None:
@@ -209,7 +210,10 @@ def free_memory(device: torch.device) -> int | None:
     with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # RuntimeError: no CUDA after all
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[0]
-        if device.type == "cpu":
+        if device.type == "cpu":  # MemAvailable counts the page cache the kernel gives back; free pages do not
+            with contextlib.suppress(OSError, StopIteration):
+                meminfo = Path("/proc/meminfo").read_text().splitlines()
+                return int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]) * 1024
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return None
 

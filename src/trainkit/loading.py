@@ -269,7 +269,7 @@ class Resident:
         """The micro-batches of this rank's `order` (on the host: a data set may read host-side sizes by it)."""
         if self.build is not None:
             return self.build(self.tensors, order, batch_size, epoch, seed)
-        on_device = order.to(self.device)
+        on_device = order.to(self.device, non_blocking=True)  # once an epoch
         return zip(*(t[on_device].split(batch_size) for t in self.tensors), strict=True)
 
 

@@ -98,10 +98,10 @@ class DigitsViews(Dataset):
                 factors.append(factor)
                 noise.append(torch.randn(shape, generator=generator))
         device = images.device
-        thetas_d = torch.stack(thetas).to(device) if thetas else images.new_zeros(0, 2, 3)
-        factors_d = torch.tensor(factors, dtype=images.dtype).view(-1, *[1] * len(shape)).to(device)
-        noise_d = (torch.stack(noise) if noise else images.new_zeros(0, *shape)).to(device)
-        index = order.to(device)
+        thetas_d = torch.stack(thetas).to(device, non_blocking=True) if thetas else images.new_zeros(0, 2, 3)
+        factors_d = torch.tensor(factors, dtype=images.dtype).view(-1, *[1] * len(shape)).to(device, non_blocking=True)
+        noise_d = (torch.stack(noise) if noise else images.new_zeros(0, *shape)).to(device, non_blocking=True)
+        index = order.to(device, non_blocking=True)
         for rows, at in zip(index.split(batch_size), range(0, len(order), batch_size), strict=True):
             views = slice(2 * at, 2 * (at + len(rows)))
             pairs = images[rows].repeat_interleave(2, dim=0)  # each image twice: its two views

@@ -217,7 +217,7 @@ class RandomBlocks(_Split, Dataset):
         span = len(self.tokens) - self.block_size
         starts = torch.tensor([sample_seed(seed, epoch, i) % span for i in order.tolist()], dtype=torch.long)
         offsets = torch.arange(self.block_size + 1, device=tokens.device)
-        for chunk in starts.to(tokens.device).split(batch_size):
+        for chunk in starts.to(tokens.device, non_blocking=True).split(batch_size):
             piece = tokens[chunk[:, None] + offsets]
             yield piece[:, :-1], piece[:, 1:]
 

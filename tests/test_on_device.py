@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from helpers import run_in_process, weights
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import leaves
-from trainkit.data import addition, digits_views, fake, tokens
+from trainkit.data import addition, digits_views, fake, pydoc_text, tokens
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.loading import Resident, TrainLoader, ahead, residency
@@ -42,15 +42,19 @@ def _same_batches(dataset, world_size: int, batch_size: int, shuffle: bool = Tru
 def test_each_device_form_yields_the_loaders_micro_batches(shuffle):
     """addition (padded to each micro-batch's longest), FakeData (images made once), a corpus's random blocks
     (starts from per-sample seeds) and its tiles, a plain TensorDataset, digits' SimCLR views (drawn per sample from
-    its seed, warped a micro-batch at a time): on 1 and 2 ranks, any epoch and start."""
+    its seed, warped a micro-batch at a time), pydoc_text's random blocks (padded at their document's end): on 1 and
+    2 ranks, any epoch and start."""
     problems = addition.splits(max_digits=3, num_train=53, num_val=5)[0]
     images = fake.fake(train_size=21, val_size=2, shape=[3, 4, 4], num_classes=3)[0]
     stream = np.random.RandomState(0).randint(0, 50, size=301).astype(np.uint16)
     blocks, tiles = tokens.RandomBlocks(stream, 8), tokens.Tiles(stream, 8, eot=49)
     tensors = TensorDataset(torch.randn(19, 2), torch.arange(19))
+    docs = {"a": "a few words of text, cut into blocks", "b": "xy", "c": "short", "d": "the last document here"}
+    vocab = pydoc_text.Vocabulary("".join(sorted(set("".join(docs.values())))))
+    text = pydoc_text.RandomBlocks(docs, list(docs), vocab, 8)  # documents about a block long: most blocks padded
     views = digits_views.digits_views()[0]
     views.images, views.labels = views.images[:23], views.labels[:23]  # a few: the views are made per sample
-    for dataset in (problems, images, blocks, tiles, tensors, views):
+    for dataset in (problems, images, blocks, tiles, tensors, views, text):
         for world_size, batch_size in [(1, 4), (2, 3)]:
             _same_batches(dataset, world_size, batch_size, shuffle)
 

@@ -93,6 +93,22 @@ def test_residency_says_which_path_and_why():
     assert residency(too_big, CPU, True, 0)[0]  # true: the user's call
 
 
+def test_a_debug_subset_of_a_data_set_with_a_tensor_form_goes_through_the_dataloader():
+    """debug=limit/overfit/fast keep some samples (debug.Kept) and answer for the data set's attributes, but not for
+    its tensor form: that is the whole set's, which the kept positions would index (other samples, silently)."""
+    from trainkit.debug import take
+
+    problems = addition.splits(max_digits=2, num_train=40, num_val=5)[0]
+    kept = take(problems, 10)
+    assert kept.collate_fn is problems.collate_fn  # still answers for the data set
+    assert residency(kept, CPU, "auto", 0) == (
+        False,
+        "data.on_device=auto: Kept declares no tensor form (device_tensors)",
+    )
+    assert residency(take(TensorDataset(torch.arange(8)), 3), CPU, "auto", 0)[0] is False
+    assert residency(take(digits_views.digits_views()[1], 3), CPU, "auto", 0)[0]  # InMemory stays InMemory
+
+
 def test_the_loaders_batches_copied_ahead_are_the_same_batches_in_the_same_order():
     """The loader path's one-batch prefetch (ahead: on CUDA a copy stream, pinned memory, non_blocking; on the CPU a
     copy is the tensor itself) hands over the loader's batches, in order, the empty ones included."""

@@ -2,7 +2,7 @@
 process, on the same model, data, optimizer, schedule, clipping and precision.
 
     .venv/bin/python scripts/bench_train.py [--steps 3000] [--every 10] [--clock cpu] [--threads 1] [--pin]
-        [--suite [--seconds 20]] [--breakdown] [--compile] [overrides ...]
+        [--suite [--seconds 20]] [--paths] [--breakdown] [--compile] [overrides ...]
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
     ... +experiment=pydoc_gpt --steps 400: the character GPT on CPython's documentation (task=lm)
     ... --suite: the table of docs/performance.md, the default mlp, the cnn and a 1-D conv net at K=1 and K=4
@@ -28,6 +28,13 @@ and checkpoints come after the last timed segment. One intra-op thread by defaul
 wait on each other on a shared machine made single blocks 10x slower or faster. With one thread per process and no
 loader workers, CPU time is the loop's own work; under torchrun it leaves out the time a rank waits on the other.
 
+--paths: the data path as rows, side by side in one process (the same interleaving): trainkit with its train split
+on the device (data.on_device=true: the driver), trainkit through its DataLoader (data.on_device=false: a second
+train() in a thread that runs only while the driver waits for it, one step at a time), the tensor-slicing loop and the
+DataLoader loop; per step each one's time and its time/data_wait (the share of its step spent getting the step's
+batches: trainkit's TrainWindows.epoch and fetch, the tensor loop's epoch gather and slices, the DataLoader loop's
+next() and copy), the same clock as the steps' (the timers themselves, ~1 us each on --clock cpu, are in the steps).
+
 --breakdown: where trainkit's extra time goes. The Python function calls per step of trainkit and the tensor loop
 (cProfile over the same steps: a count, the same on any machine), and the CPU time of each hook train() calls per
 step (each wrapped and timed in a real run, less the wrapper's own cost).
@@ -42,6 +49,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
 from trainkit import config, dist, metrics, optim, schedules  # noqa: E402
+from trainkit.loading import TrainWindows  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -106,8 +115,9 @@ def plain_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
             batches = iter(loader)
         window, samples = min(K, left), 0
         for k in range(window):
-            x, y = next(batches)
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            with waiting("dataloader"):
+                x, y = next(batches)
+                x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
             with model.no_sync() if d.distributed and k < window - 1 else contextlib.nullcontext():
                 with autocast():
                     loss = task.loss_sum(model(x), y) / (task.items(y) if task.items_name else len(y)) / K
@@ -149,12 +159,14 @@ def tensor_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
     model.train()
     for _ in range(steps):
         if not micro:  # a new epoch: one permutation, one gather per tensor, then slices
-            order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
-            x_epoch, y_epoch = inputs[order], targets[order]
-            micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
+            with waiting("tensor"):
+                order = torch.randperm(len(targets), device=d.device, generator=generator)[d.rank :: d.world_size]
+                x_epoch, y_epoch = inputs[order], targets[order]
+                micro = [(x_epoch[i : i + b], y_epoch[i : i + b]) for i in range(0, len(order), b)][::-1]
         window, samples = min(K, len(micro)), 0  # the epoch's end ends a window (a short one), as trainkit's
         for k in range(window):
-            x, y = micro.pop()
+            with waiting("tensor"):
+                x, y = micro.pop()
             with model.no_sync() if d.distributed and k < window - 1 else contextlib.nullcontext():
                 with autocast():
                     loss = task.loss_sum(model(x), y) * (1 / (len(y) * K))
@@ -165,6 +177,22 @@ def tensor_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         yield samples
+
+
+WAITED: dict[str, float] | None = None  # --paths: each loop's seconds spent getting its batches (None: not counted)
+
+
+@contextlib.contextmanager
+def waiting(name: str):
+    """Count the block's time as `name`'s data wait (--paths only: elsewhere the loops pay nothing for it)."""
+    if WAITED is None:
+        yield
+        return
+    started = clock()
+    try:
+        yield
+    finally:
+        WAITED[name] = WAITED.get(name, 0.0) + clock() - started
 
 
 def synchronize(d: dist.Dist) -> None:
@@ -191,7 +219,54 @@ def advance(loop: Iterator[int], count: int) -> None:
         next(loop)
 
 
-PLAIN = {"tensor": tensor_steps, "dataloader": plain_steps}  # the plain loops, as step generators
+class Guest:
+    """trainkit's train() on another config (--paths: data.on_device=false) as a step generator: a thread that runs
+    one optimizer step each time it is advanced, the driver waiting meanwhile (one runs at a time: process CPU time
+    is then the running one's). Its steps end at its zero_grad (interleaved's hook hands control back)."""
+
+    guests: dict[threading.Thread, "Guest"] = {}
+
+    def __init__(self, cfg, d: dist.Dist, steps: int):
+        self.go, self.done, self.finished = threading.Semaphore(0), threading.Semaphore(0), False
+        self.thread = threading.Thread(target=self._run, args=(cfg, d, steps), daemon=True)
+        Guest.guests[self.thread] = self
+        self.thread.start()
+
+    def _run(self, cfg, d: dist.Dist, steps: int) -> None:
+        self.go.acquire()
+        try:
+            trainkit_loop(cfg, d, steps)
+        finally:
+            self.finished = True
+            self.done.release()
+
+    def stepped(self) -> None:
+        """At the guest's zero_grad: hand control back, wait for the next advance."""
+        self.done.release()
+        self.go.acquire()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.finished:
+            raise StopIteration
+        self.go.release()
+        self.done.acquire()
+        return 0
+
+    def finish(self) -> None:
+        while not self.finished:
+            next(self, None)
+        self.thread.join()
+
+
+def trainkit_loader_steps(cfg, d: dist.Dist, steps: int) -> Guest:
+    """--paths: trainkit through its DataLoader (data.on_device=false), stepped beside the driver."""
+    return Guest(OmegaConf.merge(cfg, {"data": {"on_device": False}}), d, steps)
+
+
+PLAIN = {"tensor": tensor_steps, "dataloader": plain_steps, "trainkit loader": trainkit_loader_steps}
 
 
 def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> dict[str, list[float]]:
@@ -208,6 +283,8 @@ def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> 
     def zero_grad(self, *args, **kwargs):  # every loop's, so that each pays the same call
         nonlocal done, inside, last
         original(self, *args, **kwargs)
+        if (guest := Guest.guests.get(threading.current_thread())) is not None:
+            return guest.stepped()  # a guest's step (--paths): back to the driver
         if inside:
             return
         done += 1
@@ -218,6 +295,8 @@ def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> 
         now = clock()
         if done > warm:
             seconds["trainkit"].append(now - last)
+        elif WAITED is not None:  # the data waits of the timed segments only
+            WAITED.clear()
         for name, loop in plain.items():
             started = clock()
             advance(loop, warm if done == warm else every)
@@ -230,6 +309,9 @@ def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> 
     try:
         trainkit_loop(cfg, d, steps)
     finally:
+        for loop in plain.values():
+            if isinstance(loop, Guest):
+                loop.finish()  # its evaluation and end, after the timed segments
         torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
     return seconds
 
@@ -380,6 +462,54 @@ def measure(cfg, d: dist.Dist, steps: int, every: int) -> dict[str, list[float]]
         return interleaved(cfg, d, steps, every, ["tensor", "dataloader"] if tensors else ["dataloader"])
 
 
+def data_paths(cfg, d: dist.Dist, steps: int, every: int) -> str:
+    """--paths: the table of the data paths, each loop's step and time/data_wait, side by side in one run."""
+    global WAITED
+    WAITED = {}
+    fetch, start = TrainWindows.fetch, TrainWindows.epoch
+
+    def timed(method):  # trainkit's data wait, per thread (the driver's, the guest's): the epoch's start and fetch
+        def call(self, *args):
+            with waiting("trainkit loader" if threading.current_thread() in Guest.guests else "trainkit"):
+                return method(self, *args)
+
+        return call
+
+    TrainWindows.fetch, TrainWindows.epoch = timed(fetch), timed(start)  # type: ignore[method-assign]
+    train_set = instantiate(cfg.data.splits)[0]
+    # The plain loops the data allows: the tensor loop needs a TensorDataset, the DataLoader loop (x, y) pairs that
+    # torch's collation stacks
+    loops = ["tensor"] if isinstance(train_set, TensorDataset) else []
+    loops += ["dataloader"] if not hasattr(train_set, "collate_fn") and isinstance(train_set[0], tuple) else []
+    try:
+        on_device = OmegaConf.merge(cfg, {"data": {"on_device": True}})
+        with contextlib.redirect_stdout(io.StringIO()):
+            seconds = interleaved(on_device, d, steps, every, [*loops, "trainkit loader"])
+    finally:
+        TrainWindows.fetch, TrainWindows.epoch = fetch, start  # type: ignore[method-assign]
+        waited, WAITED = WAITED, None
+    per_step = step_us(seconds, every)
+    timed = {name: sum(values) for name, values in seconds.items()}
+    names = {
+        "trainkit": "trainkit, data on the device (data.on_device=true)",
+        "trainkit loader": "trainkit, DataLoader (data.on_device=false)",
+        "tensor": "tensor-slicing loop",
+        "dataloader": "DataLoader loop",
+    }
+    base = next(name for name in ("tensor", "dataloader", "trainkit loader") if name in seconds)
+    lines = [
+        f"| data path | us per step | time/data_wait | speed / {names[base]} (8 parts) |",
+        "|---|---:|---:|---|",
+    ]
+    for name, label in names.items():
+        if name not in seconds:
+            continue
+        parts = segment_ratio({"trainkit": seconds[name], "base": seconds[base]}, "base")
+        ratio = f"{parts[0]:.3f} ({min(parts[1]):.2f}-{max(parts[1]):.2f})"
+        lines.append(f"| {label} | {per_step[name]:,.1f} | {waited.get(name, 0.0) / timed[name]:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def ratio_text(seconds: dict[str, list[float]], baseline: str) -> str:
     whole, parts = segment_ratio(seconds, baseline)
     return f"{whole:.3f} ({min(parts):.2f}-{max(parts):.2f})"
@@ -464,6 +594,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also trainkit with trainer.compile=true, once")
     parser.add_argument("--suite", action="store_true", help="the table: mlp, cnn, conv1d at K=1 and K=4 (+ overrides)")
     parser.add_argument("--seconds", type=float, default=20, help="--suite: about this long a row")
+    parser.add_argument("--paths", action="store_true", help="the data paths as rows, with time/data_wait")
     parser.add_argument("--breakdown", action="store_true", help="also calls per step and the hooks' CPU time")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads, for all loops (default 1)")
     parser.add_argument(
@@ -492,6 +623,10 @@ def main() -> None:
     )
     if args.suite:
         suite(d, args)
+        dist.teardown(finished=True)
+        return
+    if args.paths:
+        d.print0(data_paths(cfg, d, args.steps, args.every))
         dist.teardown(finished=True)
         return
     seconds = measure(cfg, d, args.steps, args.every)

@@ -103,6 +103,27 @@ def test_interleaved_segments_cover_the_same_steps_of_each_loop():
     assert whole == 1.5 and parts == [2.0] * 4 + [1.0] * 4
 
 
+def test_bench_train_paths_row_each_data_path_with_its_data_wait():
+    """--paths: trainkit with its split on the device (the driver), trainkit through its DataLoader (a second train()
+    stepped in a thread, one step per advance), the tensor-slicing and the DataLoader loop: a row each, its step's
+    time and time/data_wait (a share of the step), measured over the same timed segments."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_train
+
+    steps, every = 40, 5
+    cfg = bench_train.composed(steps, ["data.batch_size=8", "trainer.test=false"])
+    table = bench_train.data_paths(cfg, CPU, steps, every)
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    assert [row[0] for row in rows] == [
+        "| trainkit, data on the device (data.on_device=true)",
+        "| trainkit, DataLoader (data.on_device=false)",
+        "| tensor-slicing loop",
+        "| DataLoader loop",
+    ], table
+    assert all(float(row[1].replace(",", "")) > 0 and 0 < float(row[2]) < 1 for row in rows), table
+    assert bench_train.WAITED is None and all(guest.finished for guest in bench_train.Guest.guests.values())
+
+
 def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():
     import ast
 

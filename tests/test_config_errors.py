@@ -70,6 +70,11 @@ CATALOGUE = [
     ),
     (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype=fp8 is not one of: fp32, bf16"),
     (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be null or a positive integer"),
+    (["data.on_device=yes"], "data.on_device=yes is not one of: auto, true, false"),
+    (
+        ["data.splits._target_=helpers.noisy_digits", "data.on_device=true"],
+        "data.on_device=true: the train split cannot be on the device: NoisyDigits declares no tensor form",
+    ),
     (["model.width=["], "no viable alternative at input '['"),
     # Options without a Schema of their own: the keys and types of their _target_'s signature (options.derived).
     (["+experiment=addition_gpt", "model.n_layer=two"], "model.n_layer=two must be an integer"),

@@ -182,20 +182,25 @@ def test_the_in_memory_fast_path_loads_what_the_dataloader_loads(shuffle):
 def test_train_windows_count_each_windows_real_samples_and_say_when_they_are_on_the_device():
     """TrainWindows' per-window figures, read every step, are the windows' own: `samples[w]` the real samples that
     window w's micro-batches hold on all ranks together (the loss normalisation), `fetch(w)` its micro-batches. And
-    `on_device` (train.py then moves nothing) holds exactly where the micro-batches are on the device already:
-    the in-memory fast path's, not a DataLoader's ("meta" stands for the other device)."""
+    `on_device` (train.py then moves nothing) holds exactly where the micro-batches are on the device already: the
+    device path's (taken there by index) and, on a device that is not the CPU, a DataLoader's copied ahead; on the
+    CPU a DataLoader's are where it made them ("meta" stands for the other device)."""
     x, y = torch.randn(37, 3), torch.arange(37)
     for world_size, batch_size, steps in [(1, 4, 1), (1, 4, 3), (2, 4, 2), (3, 5, 2)]:
         per_rank = []
         for rank in range(world_size):
-            d = Dist(rank, rank, world_size, torch.device("meta"))
-            for dataset, on_device in [(TensorDataset(x, y), True), (Rows(x, y), False)]:
-                size = (batch_size, steps)
+            for device, dataset, on_device in [
+                ("meta", TensorDataset(x, y), True),
+                ("meta", Rows(x, y), True),
+                ("cpu", Rows(x, y), False),
+            ]:
+                d, size = Dist(rank, rank, world_size, torch.device(device)), (batch_size, steps)
                 windows = TrainWindows(dataset, d, OmegaConf.create({"num_workers": 0}), 3, lambda size=size: size)
                 windows.epoch(0)
                 fetched = [windows.fetch(w) for w in range(len(windows.samples))]
-                assert windows.on_device is on_device
-                assert all((t.device.type == "meta") is on_device for micro in fetched for b in micro for t in b)
+                assert windows.on_device is on_device and windows.loader.in_memory is (type(dataset) is TensorDataset)
+                moved = [t.device.type == "meta" for micro in fetched for b in micro for t in b]
+                assert all(on_meta is (device == "meta") for on_meta in moved)
             per_rank.append([sum(len(b[1]) for b in micro) for micro in fetched])
         assert [sum(counts) for counts in zip(*per_rank, strict=True)] == windows.samples, (world_size, batch_size)
         assert sum(windows.samples) == 37

@@ -270,6 +270,9 @@ def check(cfg: DictConfig) -> None:
         )
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     _optional_positive_int("data.prefetch_factor", cfg.data.get("prefetch_factor"))
+    on_device = cfg.data.get("on_device", "auto")  # Any in the schema (no Union of bool and str): checked here
+    if on_device != "auto" and not isinstance(on_device, bool):
+        raise ConfigError(f"data.on_device={on_device} is not one of: auto, true, false")
     # Values that _target_ constructors would reject with a traceback (or accept silently).
     for key in ("lr", "weight_decay", "momentum"):
         if key in cfg.optim:

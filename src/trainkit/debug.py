@@ -105,10 +105,13 @@ def kept(num_samples: int, k: int) -> list[int]:
 
 class Kept(Subset):
     """Samples of a data set (`kept`) that still answers for the data set's attributes (collate_fn,
-    draws_random, a corpus's files and summary)."""
+    draws_random, a corpus's files and summary), but not for its tensor form (data.on_device: `device_*`): that is
+    the whole data set's, which its micro-batches would take by the kept samples' positions (the DataLoader then)."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("dataset", "indices"):  # unpickling: before they are set
+            raise AttributeError(name)
+        if name.startswith("device_"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 

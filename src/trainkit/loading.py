@@ -2,16 +2,18 @@
 never pad or repeat a sample; and what a data set may use (InMemory, held_out). The data sets themselves
 are in trainkit/data/ (the room of conf/data)."""
 
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterable
-from typing import cast
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from trainkit.accumulate import EpochLayout
-from trainkit.batch import collate, emptied
+from trainkit.batch import collate, emptied, leaves, to_device
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.rng import sample_seed, seed_all
@@ -188,16 +190,126 @@ class SeededBatches(Dataset):
         return samples
 
 
+DEVICE_SHARE = 0.5  # data.on_device=auto: the train split goes to the device where it takes at most this share of
+# the memory free there (the rest: the model, its optimizer state, activations)
+
+
+def tensor_form(dataset: Dataset) -> list[torch.Tensor] | None:
+    """The host tensors a train split lives in, their rows its samples, where it declares them: an InMemory or plain
+    TensorDataset's own, a data set's `device_tensors()` (addition's padded rows, FakeData's images made once, a
+    corpus's token stream); None for any other data set (an image folder, a user's without the method)."""
+    if isinstance(dataset, InMemory) or type(dataset) is TensorDataset:  # a subclass may draw: it says how
+        return list(dataset.tensors)
+    make = getattr(dataset, "device_tensors", None)
+    return list(make()) if make is not None else None
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: the GPU's (cudaMemGetInfo), the host's available memory for the CPU (there "the
+    device" is host memory); None where unknown (the meta device of the tests)."""
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # RuntimeError: no CUDA after all
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "cpu":  # MemAvailable counts the page cache the kernel gives back; free pages do not
+            with contextlib.suppress(OSError, StopIteration):
+                meminfo = Path("/proc/meminfo").read_text().splitlines()
+                return int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]) * 1024
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def residency(dataset: Dataset, device: torch.device, on_device, num_workers: int) -> tuple[bool, str]:
+    """data.on_device: whether the train split goes to the device once and its micro-batches are taken there by index
+    (Resident), and why: the startup line's words. `auto` takes it where the data set has a tensor form, draws
+    nothing on the host (or builds its draws itself: `device_batches`), asks for no loader worker, and fits in
+    DEVICE_SHARE of the device's free memory; `true` takes it wherever the data set has a tensor form (a ConfigError,
+    one line, where it has none or draws on the host); `false` never."""
+    name = type(dataset).__name__
+    if on_device is False:
+        return False, "data.on_device=false"
+    why = None
+    if not (isinstance(dataset, InMemory) or type(dataset) is TensorDataset or hasattr(dataset, "device_tensors")):
+        why = f"{name} declares no tensor form (device_tensors)"
+    elif draws_random(dataset) and type(dataset) is not TensorDataset and not hasattr(dataset, "device_batches"):
+        drawn = getattr(dataset, "draws_random", True)
+        why = f"{name} draws random augmentation on the host (draws_random={drawn})"
+    if why is not None:
+        if on_device is True:
+            raise ConfigError(f"data.on_device=true: the train split cannot be on the device: {why}")
+        return False, f"data.on_device=auto: {why}"
+    if on_device == "auto" and num_workers:
+        return False, f"data.on_device=auto: data.num_workers={num_workers} asks for loader workers"
+    size = getattr(dataset, "device_bytes", None)
+    size = size() if size is not None else sum(t.nbytes for t in tensor_form(dataset) or [])
+    free = free_memory(device)
+    room = f"{_gb(size)} of {_gb(free)} free" if free is not None else _gb(size)
+    if on_device == "auto" and free is not None and size > DEVICE_SHARE * free:
+        return False, f"data.on_device=auto: the split's {room} is over {DEVICE_SHARE:.0%} of it"
+    return True, f"data.on_device={'auto' if on_device == 'auto' else 'true'}: {room}"
+
+
+class Resident:
+    """A train split on the device: its tensor form (tensor_form) moved there once, each epoch's micro-batches taken
+    there by index from this rank's order (TrainBatches.order_tensor): no loader, no per-batch copy. A data set's
+    `device_batches(tensors, order, batch_size, epoch, seed)` builds them itself (a collate's padding, blocks drawn
+    from per-sample seeds); without one, each tensor is gathered by the order once an epoch (one more copy of the
+    shard) and the micro-batches are views of that (~1 us a batch). Either way each is the loader path's micro-batch
+    bit for bit: the same samples in the same order, the same values and shapes (tests/test_on_device.py)."""
+
+    def __init__(self, dataset: Dataset, device: torch.device):
+        self.tensors = [t.to(device) for t in tensor_form(dataset) or []]
+        self.build = getattr(dataset, "device_batches", None)
+        self.device = device
+
+    def epoch(self, order: torch.Tensor, batch_size: int, epoch: int, seed: int) -> Iterable:
+        """The micro-batches of this rank's `order` (on the host: a data set may read host-side sizes by it)."""
+        if self.build is not None:
+            return self.build(self.tensors, order, batch_size, epoch, seed)
+        on_device = order.to(self.device, non_blocking=True)  # once an epoch
+        return zip(*(t[on_device].split(batch_size) for t in self.tensors), strict=True)
+
+
+def ahead(batches: Iterable, device: torch.device) -> Iterator:
+    """The loader's batches on `device`, each copied while the one before it computes: batch j+1's copy is issued
+    (non_blocking, from pinned memory, on a side stream on CUDA) before batch j is handed over; the compute stream
+    waits on batch j's copy alone. The same batches in the same order (on the CPU a copy is the tensor itself)."""
+    if device.type != "cuda":
+        for batch in batches:
+            yield to_device(batch, device)
+        return
+    copying, computing = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    pending = None
+    for batch in batches:
+        with torch.cuda.stream(copying):
+            moved = to_device(batch, device)  # non_blocking: pinned batches copy asynchronously
+            done = copying.record_event()
+        if pending is not None:
+            yield _ready(*pending, computing)
+        pending = moved, done
+    if pending is not None:
+        yield _ready(*pending, computing)
+
+
+def _ready(batch, copied: torch.cuda.Event, computing: torch.cuda.Stream):
+    computing.wait_event(copied)  # the compute stream waits on this batch's copy, not the next one's
+    for tensor in leaves(batch):
+        tensor.record_stream(computing)  # allocated on the copy stream, freed only after compute used it
+    return batch
+
+
 class TrainLoader:
     """The train loader: this rank's micro-batches (TrainBatches) and then, up to `micro_batches`
     per epoch, empty ones (the rank whose last micro-batch held only padding still runs it).
 
-    An InMemory data set (tensors, nothing random to draw) or a plain TensorDataset skips the
-    DataLoader (its machinery costs ~0.1 ms a batch, a tenth of the default job's step): its tensors go
-    to the device once, each epoch gathers this rank's order once per tensor (one more copy of the
-    shard), and the micro-batches are views of that (~1 us a batch; gathering each batch cost ~50 us
-    of the default job's ~0.8 ms step). Any other data set goes through a DataLoader over
-    SeededBatches (per-sample seeds where the data set draws)."""
+    A split on the device (`resident`: residency's decision, data.on_device) skips the DataLoader (its machinery
+    costs ~0.1 ms a batch, a tenth of the default job's step): Resident takes each epoch's micro-batches there by
+    index. Any other data set goes through a DataLoader over SeededBatches (per-sample seeds where the data set
+    draws), its workers persistent across epochs, and (`prefetch`: on a device that is not the CPU) each batch
+    copied to the device while the one before it computes (`ahead`)."""
 
     def __init__(
         self,
@@ -210,6 +322,7 @@ class TrainLoader:
         pin_memory: bool = True,
         prefetch_factor: int | None = None,
         shuffle: bool = True,
+        resident: "Resident | bool | None" = None,
     ):
         self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed, shuffle)
         self.collate = collate_fn(dataset)
@@ -221,14 +334,15 @@ class TrainLoader:
             generator=torch.Generator(),  # not the global RNG (it seeds the workers)
             pin_memory=pin_memory and d.device.type == "cuda",  # pinned memory speeds up copies to a GPU only
             prefetch_factor=prefetch_factor if num_workers else None,  # batches ahead per worker (null: torch's 2)
-            persistent_workers=num_workers > 0,
+            persistent_workers=num_workers > 0,  # the workers live across epochs
         )
         self.dataset, self.seed, self.micro_batches, self.batch_size = dataset, seed, micro_batches, batch_size
-        # A TensorDataset's items are its tensors' rows: nothing to draw, unless a subclass says otherwise.
-        tensors = isinstance(dataset, InMemory) or type(dataset) is TensorDataset
-        self.tensors = list(cast(TensorDataset, dataset).tensors) if tensors and not num_workers else []
         self.device = d.device  # where the tensors go at the first epoch (building a loader touches no device)
-        self.in_memory = bool(self.tensors)
+        if resident is None:  # a loader of its own (tests, benchmarks): data.on_device=auto's decision
+            resident = residency(dataset, d.device, "auto", num_workers)[0]
+        self.resident: Resident | bool = resident  # True: built at the first epoch (building touches no device)
+        self.in_memory = bool(resident)
+        self.prefetch = d.device.type != "cpu"  # the loader's batches copied ahead (on the CPU: nothing to copy)
 
     def epoch(self, epoch: int, start: int = 0):
         """An iterator over the micro-batches of `epoch` from micro-batch `start` on. What it
@@ -236,18 +350,21 @@ class TrainLoader:
         self.sampler.set_epoch(epoch)  # a new permutation every epoch, the same on every rank
         self.sampler.start = start
         batches: Iterable = ()
-        if self.in_memory and start < self.sampler.batches:  # one gather per tensor, then views of it
-            self.tensors = [t.to(self.device) for t in self.tensors]  # once: then already there
-            order = self.sampler.order_tensor()[start * self.batch_size :].to(self.device)
-            batches = zip(*(t[order].split(self.batch_size) for t in self.tensors), strict=True)
+        if self.in_memory and start < self.sampler.batches:  # taken on the device by index
+            if not isinstance(self.resident, Resident):
+                self.resident = Resident(self.dataset, self.device)  # once: then already there
+            order = self.sampler.order_tensor()[start * self.batch_size :]
+            batches = self.resident.epoch(order, self.batch_size, epoch, self.seed)
         elif not self.in_memory:
             self.loader.generator.manual_seed(self.seed + epoch)  # what the iterator draws (worker seeds)
-            batches = self.loader
+            batches = ahead(self.loader, self.device) if self.prefetch else self.loader
         return itertools.chain(batches, self._empty(max(self.sampler.batches, start)))
 
     def _empty(self, ran: int):
         if ran < self.micro_batches:
             empty = emptied(self.collate([self.dataset[0]]))  # the right structure, shapes and dtypes
+            if self.in_memory or self.prefetch:  # the micro-batches are on the device already: so is this one
+                empty = to_device(empty, self.device)
             yield from itertools.repeat(empty, self.micro_batches - ran)
 
 
@@ -275,19 +392,32 @@ class TrainWindows:
         # data.get: a data set's yaml composed without conf/shared/data.yaml (a test's) may leave them out
         self.knobs = (data.num_workers, data.get("pin_memory", True), data.get("prefetch_factor"))
         self.shuffle, self.epoch_number = data.get("shuffle", True), 0
+        # data.on_device: the split on the device once (Resident), or a DataLoader; `path` says which and why
+        resident, why = residency(dataset, d.device, data.get("on_device", "auto"), data.num_workers)
+        self.resident: Resident | bool = resident  # built at the first epoch; kept when `refit` rebuilds the loader
+        workers = f"{data.num_workers} worker{'s' * (data.num_workers != 1)}" if data.num_workers else "no worker"
+        copied = ", each batch copied ahead" if d.device.type != "cpu" else ""
+        self.path = (
+            f"on the device, batches taken by index ({why})" if resident else f"DataLoader, {workers}{copied} ({why})"
+        )
         self.fit()
 
     def fit(self) -> None:
         b, K = self.size()
         self.layout = layout = EpochLayout(len(self.dataset), self.d.world_size, b, K)  # type: ignore[arg-type]
         workers, pin, prefetch = self.knobs
+        previous: TrainLoader | None = getattr(self, "loader", None)
+        if previous is not None and isinstance(previous.resident, Resident):
+            self.resident = previous.resident  # a refit (auto's halved micro-batch) moves nothing again
+        shuffle, resident = self.shuffle, self.resident
         self.loader = TrainLoader(
-            self.dataset, self.d, b, workers, self.seed, layout.micro_batches, pin, prefetch, self.shuffle
+            self.dataset, self.d, b, workers, self.seed, layout.micro_batches, pin, prefetch, shuffle, resident
         )
         # Per window of the epoch, read every step: its micro-batches and (all ranks') real samples.
         self.micro_steps = [layout.micro_steps(w) for w in range(layout.windows(drop_last=False))]
         self.samples = [layout.window_samples(w) for w in range(layout.windows(drop_last=False))]
-        self.on_device = self.loader.in_memory  # its micro-batches are views of tensors on the device already
+        # Its micro-batches are on the device already: taken there by index, or copied ahead of the step
+        self.on_device = self.loader.in_memory or self.loader.prefetch
 
     def epoch(self, epoch: int, first_window: int = 0) -> None:
         """Start `epoch` at `first_window` (a resume's): set_epoch, a new permutation per epoch."""

@@ -212,6 +212,7 @@ class Data:
     num_workers: int = 0
     pin_memory: bool = True  # with CUDA: page-locked batches, copied to the GPU asynchronously
     prefetch_factor: int | None = None  # with workers: batches loaded ahead per worker (null: torch's 2)
+    on_device: Any = "auto"  # auto | true | false: the train split on the device, batches by index (config.check)
 
 
 def register() -> None:

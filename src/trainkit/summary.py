@@ -257,6 +257,7 @@ def announce(
         f"x {layout.steps} accumulation ({cfg.accumulation.strategy}) | {steps} steps/epoch, "
         f"{total_steps} steps, {math.ceil(total_steps / steps)} epochs | run dir {run_dir}"
     )
+    d.print0(f"data path: {windows.path}")  # on the device or a DataLoader, and why (data.on_device)
     if summary := getattr(train_set, "summary", ""):  # e.g. a corpus's source and its split's documents
         d.print0(summary)
     if cfg.trainer.test and no_test:  # a data set of one's own that returns (train, val) still trains

@@ -72,6 +72,7 @@ class Problems(Dataset):
     IGNORE except under the answer and the end token. `collate_fn` pads a batch."""
 
     draws_random = False  # a problem is its operands: the loader seeds nothing per sample (data.draws_random)
+    lengths: torch.Tensor  # each problem's input length (device_tensors)
 
     def __init__(self, pairs: np.ndarray):
         self.pairs = pairs  # (N, 2) operands
@@ -96,6 +97,23 @@ class Problems(Dataset):
         """Generated tokens up to the end token, as people write the answer (`?` for a non-digit)."""
         digits = list(itertools.takewhile(lambda t: t != END, tokens))
         return "".join(VOCAB[t] if 0 <= t < 10 else "?" for t in digits)[::-1]
+
+    def device_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """data.on_device: every problem once, padded to the longest (collate_fn's padding); device_batches cuts a
+        micro-batch to its own longest, as collate_fn pads it."""
+        self.lengths = torch.tensor([len(self[i][0]) for i in range(len(self))], dtype=torch.long)
+        return self.collate_fn([self[i] for i in range(len(self))])
+
+    def device_bytes(self) -> int:
+        return 2 * len(self) * longest_input(int(max(len(str(v)) for v in self.pairs.max(0)))) * 8
+
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+        """The micro-batches of `order` (this rank's epoch, on the host) from the device's rows: one gather a tensor
+        an epoch, then views cut to each micro-batch's longest (read from the host's lengths: no wait on the GPU)."""
+        inputs, targets = (t[order.to(t.device, non_blocking=True)] for t in tensors)
+        longest = [int(n.max()) for n in self.lengths[order].split(batch_size)]
+        for x, y, n in zip(inputs.split(batch_size), targets.split(batch_size), longest, strict=True):
+            yield x[:, :n], y[:, :n]
 
     @staticmethod
     def collate_fn(batch):

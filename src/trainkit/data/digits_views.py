@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from trainkit.data.digits import digits
 from trainkit.loading import InMemory
+from trainkit.rng import sample_seed
 from trainkit.schema import Data
 
 
@@ -59,16 +60,54 @@ class DigitsViews(Dataset):
         return {"views": torch.stack([self._view(image), self._view(image)]), "label": self.labels[index]}
 
     def _view(self, image: torch.Tensor) -> torch.Tensor:
-        angle, scale, dy, dx, contrast = (2 * torch.rand(5) - 1).tolist()
+        theta, factor = self._draw(image.shape)
+        view = self._apply(image[None], theta[None], image.shape)[0] * factor
+        return view + self.noise * torch.randn_like(view)
+
+    def _draw(self, shape, generator: torch.Generator | None = None) -> tuple[torch.Tensor, float]:
+        """A view's affine map (1, 2, 3) and intensity factor, from torch's generator (or `generator`)."""
+        angle, scale, dy, dx, contrast = (2 * torch.rand(5, generator=generator) - 1).tolist()
         angle, scale = math.radians(self.rotation * angle), 1 + self.scale * scale
-        h, w = image.shape[-2:]
+        h, w = shape[-2:]
         cos, sin = math.cos(angle) / scale, math.sin(angle) / scale
         # affine_grid's coordinates run from -1 to 1 across the image: a pixel is 2 / size of them
-        theta = torch.tensor([[[cos, -sin, 2 * self.shift * dx / w], [sin, cos, 2 * self.shift * dy / h]]])
-        grid = F.affine_grid(theta, [1, *image.shape], align_corners=False)
-        view = F.grid_sample(image[None], grid, align_corners=False)[0]
-        view = view * (1 + self.contrast * contrast)
-        return view + self.noise * torch.randn_like(view)
+        theta = torch.tensor([[cos, -sin, 2 * self.shift * dx / w], [sin, cos, 2 * self.shift * dy / h]])
+        return theta, 1 + self.contrast * contrast
+
+    @staticmethod
+    def _apply(images: torch.Tensor, thetas: torch.Tensor, shape) -> torch.Tensor:
+        grid = F.affine_grid(thetas, [len(images), *shape], align_corners=False)
+        return F.grid_sample(images, grid, align_corners=False)
+
+    def device_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """data.on_device: the images and labels; device_batches makes the views there."""
+        return self.images, self.labels
+
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+        """The views on the device, each sample's draws as the loader path's (torch's generator seeded from (seed,
+        epoch, index): the same views at any allocation), drawn on the host once an epoch (the affine maps, factors
+        and noise: 5 + 64 numbers a view), then each micro-batch's warps in one batched grid_sample there."""
+        images, labels = tensors
+        shape, thetas, factors, noise = images.shape[1:], [], [], []
+        generator = torch.Generator()
+        for i in order.tolist():
+            generator.manual_seed(sample_seed(seed, epoch, i))
+            for _ in range(2):  # _view's draws, in its order: the map and factor, then the noise
+                theta, factor = self._draw(shape, generator)
+                thetas.append(theta)
+                factors.append(factor)
+                noise.append(torch.randn(shape, generator=generator))
+        device = images.device
+        thetas_d = torch.stack(thetas).to(device, non_blocking=True) if thetas else images.new_zeros(0, 2, 3)
+        factors_d = torch.tensor(factors, dtype=images.dtype).view(-1, *[1] * len(shape)).to(device, non_blocking=True)
+        noise_d = (torch.stack(noise) if noise else images.new_zeros(0, *shape)).to(device, non_blocking=True)
+        index = order.to(device, non_blocking=True)
+        for rows, at in zip(index.split(batch_size), range(0, len(order), batch_size), strict=True):
+            views = slice(2 * at, 2 * (at + len(rows)))
+            pairs = images[rows].repeat_interleave(2, dim=0)  # each image twice: its two views
+            warped = self._apply(pairs, thetas_d[views], shape) * factors_d[views]
+            warped = warped + self.noise * noise_d[views]
+            yield {"views": warped.view(len(rows), 2, *shape), "label": labels[rows]}
 
 
 def digits_views(

@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 from trainkit.data.addition import IGNORE
 from trainkit.errors import ConfigError
 from trainkit.loading import InMemory
+from trainkit.rng import sample_seed
 from trainkit.schema import Data
 
 VOCAB_FILE = "vocab.json"  # in the run dir
@@ -204,6 +205,35 @@ class RandomBlocks(_Split, Dataset):
         x, y = torch.full((self.block_size,), self.pad), torch.full((self.block_size,), IGNORE)
         x[: len(piece) - 1], y[: len(piece) - 1] = piece[:-1], piece[1:]
         return x, y
+
+    def device_tensors(self) -> tuple[torch.Tensor]:
+        """data.on_device: the split's documents as one stream."""
+        return (torch.cat(self.tokens),)
+
+    def device_bytes(self) -> int:
+        return sum(len(t) for t in self.tokens) * 8
+
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+        """The blocks of `order` (this rank's epoch) from the stream on the device, each start drawn as __getitem__
+        draws it under the loader's seeding (torch's generator seeded from (seed, epoch, index)): on the host once an
+        epoch, then each micro-batch one gather, padded where its document ends, as __getitem__ pads."""
+        (stream,) = tensors
+        lengths = torch.tensor([len(t) for t in self.tokens])
+        owners = torch.tensor(self.owner)[order]
+        generator, starts = torch.Generator(), []
+        for i, owner in zip(order.tolist(), owners.tolist(), strict=True):
+            generator.manual_seed(sample_seed(seed, epoch, i))
+            starts.append(int(torch.randint(int(lengths[owner]) - 1, (), generator=generator)))
+        begun = torch.tensor(starts, dtype=torch.long)
+        first = (lengths.cumsum(0) - lengths)[owners] + begun  # each block's first token in the stream
+        room = lengths[owners] - begun - 1  # its targets before the document ends (at most block_size are kept)
+        first, room = first.to(stream.device, non_blocking=True), room.to(stream.device, non_blocking=True)
+        j = torch.arange(self.block_size, device=stream.device)
+        for at, count in zip(first.split(batch_size), room.split(batch_size), strict=True):
+            inside = j < count[:, None]
+            where = (at[:, None] + j).clamp(max=len(stream) - 2)  # past a document's end: replaced below
+            x = torch.where(inside, stream[where], self.pad)
+            yield x, torch.where(inside, stream[where + 1], IGNORE)
 
 
 def is_text_run(run_cfg) -> bool:

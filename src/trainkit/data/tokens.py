@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 
 from trainkit.data.addition import IGNORE
 from trainkit.errors import ConfigError
+from trainkit.rng import sample_seed
 from trainkit.schema import Data
 
 META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"  # in data.root, and copied into the run dir
@@ -202,6 +203,24 @@ class RandomBlocks(_Split, Dataset):
     def seeded(self, index: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._block(seed % (len(self.tokens) - self.block_size))  # a 63-bit mixed seed: uniform enough
 
+    def device_tensors(self) -> tuple[torch.Tensor]:
+        """data.on_device: the split's token stream (int64), read whole once."""
+        return (_long(np.asarray(self.tokens)),)
+
+    def device_bytes(self) -> int:
+        return len(self.tokens) * 8
+
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+        """The blocks of `order` (this rank's epoch) at the starts `seeded` draws, each from its sample's seed
+        (seed, epoch, index): computed on the host once an epoch, moved once, each micro-batch one gather."""
+        (tokens,) = tensors
+        span = len(self.tokens) - self.block_size
+        starts = torch.tensor([sample_seed(seed, epoch, i) % span for i in order.tolist()], dtype=torch.long)
+        offsets = torch.arange(self.block_size + 1, device=tokens.device)
+        for chunk in starts.to(tokens.device, non_blocking=True).split(batch_size):
+            piece = tokens[chunk[:, None] + offsets]
+            yield piece[:, :-1], piece[:, 1:]
+
     def _block(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:  # the last start leaves 1 target
         piece = _long(self.tokens[start : start + self.block_size + 1])
         return piece[:-1], piece[1:]
@@ -217,6 +236,17 @@ class Tiles(_Split, Dataset):
 
     def __len__(self) -> int:
         return -(-(len(self.tokens) - 1) // self.block_size) if len(self.tokens) > 1 else 0
+
+    def device_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """data.on_device (data.random_offsets=false): every tile at once, (inputs, targets) as __getitem__ has them."""
+        predicted = max(len(self.tokens) - 1, 0)
+        tokens = _long(np.asarray(self.tokens))
+        x, y = torch.full((len(self) * self.block_size,), self.eot), torch.full((len(self) * self.block_size,), IGNORE)
+        x[:predicted], y[:predicted] = tokens[:-1], tokens[1:]
+        return x.view(-1, self.block_size), y.view(-1, self.block_size)
+
+    def device_bytes(self) -> int:
+        return 2 * len(self) * self.block_size * 8
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):

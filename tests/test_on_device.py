@@ -1,0 +1,181 @@
+"""data.on_device: the train split on the device once, micro-batches taken there by index (trainkit.loading.Resident),
+trains what the DataLoader path trains, bit for bit: the default job at 1 rank and at 2 ranks x K=2, a resume
+mid-epoch, data.shuffle=false, addition's padded sequences with the GPT. Each data set's device form yields the
+loader's micro-batches (same samples, order, values, shapes); the key is checked; the loader path's batches copied
+ahead are the batches without it."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from helpers import run_in_process, weights
+from trainkit.accumulate import EpochLayout
+from trainkit.batch import leaves
+from trainkit.data import addition, digits_views, fake, pydoc_text, tokens
+from trainkit.dist import Dist
+from trainkit.errors import ConfigError
+from trainkit.loading import Resident, TrainLoader, ahead, residency
+
+CPU = torch.device("cpu")
+
+
+def _same_batches(dataset, world_size: int, batch_size: int, shuffle: bool = True) -> None:
+    """Every rank's micro-batches on the device path equal the DataLoader path's, at several epochs and starts."""
+    micro_batches = EpochLayout(len(dataset), world_size, batch_size, 2).micro_batches + 1  # one empty one at the end
+    for rank in range(world_size):
+        d = Dist(rank, rank, world_size, CPU)
+        device, loader = (
+            TrainLoader(dataset, d, batch_size, 0, 3, micro_batches, shuffle=shuffle, resident=resident)
+            for resident in (True, False)
+        )
+        for epoch, start in [(0, 0), (1, 0), (1, 2), (2, micro_batches - 1)]:
+            got, expected = list(device.epoch(epoch, start)), list(loader.epoch(epoch, start))
+            assert len(got) == len(expected) == micro_batches - start
+            for g, e in zip(got, expected, strict=True):
+                assert len(leaves(g)) == len(leaves(e))
+                for a, b in zip(leaves(g), leaves(e), strict=True):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (type(dataset).__name__, rank, epoch, start)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_each_device_form_yields_the_loaders_micro_batches(shuffle):
+    """addition (padded to each micro-batch's longest), FakeData (images made once), a corpus's random blocks
+    (starts from per-sample seeds) and its tiles, a plain TensorDataset, digits' SimCLR views (drawn per sample from
+    its seed, warped a micro-batch at a time), pydoc_text's random blocks (padded at their document's end): on 1 and
+    2 ranks, any epoch and start."""
+    problems = addition.splits(max_digits=3, num_train=53, num_val=5)[0]
+    images = fake.fake(train_size=21, val_size=2, shape=[3, 4, 4], num_classes=3)[0]
+    stream = np.random.RandomState(0).randint(0, 50, size=301).astype(np.uint16)
+    blocks, tiles = tokens.RandomBlocks(stream, 8), tokens.Tiles(stream, 8, eot=49)
+    tensors = TensorDataset(torch.randn(19, 2), torch.arange(19))
+    docs = {"a": "a few words of text, cut into blocks", "b": "xy", "c": "short", "d": "the last document here"}
+    vocab = pydoc_text.Vocabulary("".join(sorted(set("".join(docs.values())))))
+    text = pydoc_text.RandomBlocks(docs, list(docs), vocab, 8)  # documents about a block long: most blocks padded
+    views = digits_views.digits_views()[0]
+    views.images, views.labels = views.images[:23], views.labels[:23]  # a few: the views are made per sample
+    for dataset in (problems, images, blocks, tiles, tensors, views, text):
+        for world_size, batch_size in [(1, 4), (2, 3)]:
+            _same_batches(dataset, world_size, batch_size, shuffle)
+
+
+def test_residency_says_which_path_and_why():
+    """auto: a tensor form that draws nothing on the host (or builds its draws: device_batches) and fits; workers
+    asked for keep the loader; true where it cannot be: one line."""
+
+    class Drawn(torch.utils.data.Dataset):
+        draws_random = "torch"
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.rand(2)
+
+    problems = addition.splits(max_digits=2, num_train=40, num_val=5)[0]
+    assert residency(problems, CPU, "auto", 0)[0]
+    assert residency(tokens.RandomBlocks(np.zeros(50, np.uint16), 4), CPU, "auto", 0)[0]  # draws from its seeds
+    workers = "data.on_device=auto: data.num_workers=2 asks for loader workers"
+    assert residency(problems, CPU, "auto", 2) == (False, workers)
+    assert residency(problems, CPU, True, 2)[0]
+    assert residency(problems, CPU, False, 0) == (False, "data.on_device=false")
+    took, why = residency(Drawn(), CPU, "auto", 0)
+    assert not took and why == "data.on_device=auto: Drawn declares no tensor form (device_tensors)"
+    Drawn.device_tensors = lambda self: (torch.zeros(4, 2),)  # type: ignore[attr-defined]
+    took, why = residency(Drawn(), CPU, "auto", 0)
+    assert not took and "Drawn draws random augmentation on the host (draws_random=torch)" in why
+    with pytest.raises(ConfigError, match="data.on_device=true: the train split cannot be on the device: Drawn draws"):
+        residency(Drawn(), CPU, True, 0)
+    too_big = TensorDataset(torch.zeros(4))
+    too_big.device_bytes = lambda: 1 << 60  # type: ignore[attr-defined]
+    took, why = residency(too_big, CPU, "auto", 0)
+    assert not took and "is over 50% of it" in why
+    assert residency(too_big, CPU, True, 0)[0]  # true: the user's call
+
+
+def test_a_debug_subset_of_a_data_set_with_a_tensor_form_goes_through_the_dataloader():
+    """debug=limit/overfit/fast keep some samples (debug.Kept) and answer for the data set's attributes, but not for
+    its tensor form: that is the whole set's, which the kept positions would index (other samples, silently)."""
+    from trainkit.debug import take
+
+    problems = addition.splits(max_digits=2, num_train=40, num_val=5)[0]
+    kept = take(problems, 10)
+    assert kept.collate_fn is problems.collate_fn  # still answers for the data set
+    assert residency(kept, CPU, "auto", 0) == (
+        False,
+        "data.on_device=auto: Kept declares no tensor form (device_tensors)",
+    )
+    assert residency(take(TensorDataset(torch.arange(8)), 3), CPU, "auto", 0)[0] is False
+    assert residency(take(digits_views.digits_views()[1], 3), CPU, "auto", 0)[0]  # InMemory stays InMemory
+
+
+def test_the_loaders_batches_copied_ahead_are_the_same_batches_in_the_same_order():
+    """The loader path's one-batch prefetch (ahead: on CUDA a copy stream, pinned memory, non_blocking; on the CPU a
+    copy is the tensor itself) hands over the loader's batches, in order, the empty ones included."""
+    dataset = addition.splits(max_digits=2, num_train=37, num_val=5)[0]
+    d = Dist(0, 0, 1, CPU)
+    plain = TrainLoader(dataset, d, 5, 0, 3, 9, resident=False)
+    copied = TrainLoader(dataset, d, 5, 0, 3, 9, resident=False)
+    copied.prefetch = True  # as on a GPU
+    for epoch, start in [(0, 0), (1, 3)]:
+        got, expected = list(copied.epoch(epoch, start)), list(plain.epoch(epoch, start))
+        assert len(got) == len(expected) == 9 - start
+        for (gx, gy), (ex, ey) in zip(got, expected, strict=True):
+            assert torch.equal(gx, ex) and torch.equal(gy, ey)
+    assert [t.tolist() for t in ahead([torch.ones(1), torch.zeros(1)], CPU)] == [[1.0], [0.0]]
+    assert TrainLoader(dataset, d, 5, 2, 3, 9).loader.persistent_workers  # workers live across epochs
+
+
+def test_a_resident_split_moves_its_tensors_once():
+    dataset = TensorDataset(torch.randn(10, 2), torch.arange(10))
+    resident = Resident(dataset, CPU)
+    assert resident.tensors[0] is dataset.tensors[0]  # on the CPU the device is host memory: no copy at all
+
+
+TINY = ["model.width=16", "optim=sgd", "trainer.eval_every=100", "trainer.log_every=100", "trainer.test=false"]
+# digits' 1079 train samples at global batch 256: 5 steps an epoch (the last one short), 7 steps cross into epoch 1
+ONE = [*TINY, "data.batch_size=128", "accumulation.steps=2", "trainer.max_steps=7"]
+TWO = [*TINY, "data.batch_size=64", "accumulation.steps=2", "trainer.max_steps=7"]
+
+
+def test_the_device_path_trains_the_loader_paths_weights_bit_for_bit(tmp_path):
+    """The default job with data.on_device=true and =false (the DataLoader over the same split): equal weights at
+    1 rank x K=2, at 2 ranks x K=2, with data.shuffle=false, and from a resume mid-epoch (step 3 of 5) on the device
+    path of a run that went through the loader; so too for addition's padded sequences with a tiny GPT."""
+    runs = {}
+    for name, overrides, nproc in [
+        ("one", ONE, 1),
+        ("two", TWO, 2),
+        ("in_order", [*ONE, "data.shuffle=false"], 1),
+    ]:
+        for on_device in ("true", "false"):
+            run_dir = tmp_path / f"{name}_{on_device}"
+            extra = ["checkpoint.every=3", "checkpoint.keep=3"] if (name, on_device) == ("one", "false") else []
+            out = run_in_process(run_dir, *overrides, *extra, f"data.on_device={on_device}", nproc=nproc)
+            path = "on the device, batches taken by index" if on_device == "true" else "DataLoader, no worker"
+            assert f"data path: {path} (data.on_device={on_device}" in out
+            runs[name, on_device] = weights(run_dir)
+        for key in runs[name, "true"]:
+            assert torch.equal(runs[name, "true"][key], runs[name, "false"][key]), (name, key)
+    # A resume mid-epoch: the loader run's step-3 checkpoint, the rest of its epoch and the next on the device
+    resumed = tmp_path / "resumed"
+    checkpoint = tmp_path / "one_false" / "checkpoints" / "step_00000003.pt"
+    run_in_process(resumed, *ONE, "data.on_device=true", f"checkpoint.resume={checkpoint}")
+    for key, value in weights(resumed).items():
+        assert torch.equal(value, runs["one", "false"][key]), ("resumed", key)
+    gpt = [
+        "+experiment=addition_gpt",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=16",
+        "data.num_train=300",
+        "data.num_val=20",
+        "data.batch_size=16",
+        "accumulation.steps=2",
+        "trainer.max_steps=12",  # 10 steps an epoch: the short last one and into the next
+        *TINY[1:],
+    ]
+    for on_device in ("true", "false"):
+        run_in_process(tmp_path / f"gpt_{on_device}", *gpt, f"data.on_device={on_device}")
+    for key, value in weights(tmp_path / "gpt_true").items():
+        assert torch.equal(value, weights(tmp_path / "gpt_false")[key]), ("gpt", key)

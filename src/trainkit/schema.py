@@ -135,6 +135,9 @@ class Train:
     parallel: Parallel = field(default_factory=Parallel)
     logger: Logger = field(default_factory=Logger)
     debug: Debug = field(default_factory=Debug)
+    # What an experiment builds on: {key naming a finished run: [overrides of a run that stands in for it]}, e.g.
+    # {task.teacher.from: [model=cnn]}. Read by no run; tests make such a run for every experiment (a fork's too).
+    parents: dict[str, list[str]] = field(default_factory=dict)
 
 
 # The options of optim and sched (the engine's groups). Required arguments: MISSING (the yaml sets them).

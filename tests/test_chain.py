@@ -13,6 +13,7 @@ from helpers import assert_equal, run_in_process, weights
 from helpers import rows as metrics_rows
 from trainkit import config, optim, schedules
 from trainkit.parent import Parent, model_node, remap
+from trainkit.progress import groups_lr
 
 # A small mlp (Linear layers 1, 4, 7) trained briefly: the parent of the runs below.
 PARENT = ["model.width=16", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.test=false"]
@@ -139,11 +140,13 @@ def test_frozen_parameters_are_the_parents_bit_for_bit_and_groups_follow_the_sch
     got, start = weights(single), weights(parent)
     for name in got:
         assert torch.equal(got[name], start[name]) is (name in FROZEN), name  # the others trained
-    lrs = [row["lr"] for row in rows(single)]
-    # The row's lr is group 0's (layer 4 at x 0.1, the first trainable); the checkpoint's groups: 4 and 7.weight.
+    # The checkpoint's groups: layer 4 (x 0.1) and 7.weight. The rows: `lr` (optim.lr x the schedule: 7.weight's,
+    # which no group scales) and each group's own, lr/<group> (not the lr of whichever holds the first parameter)
     saved = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)["optimizer"]["param_groups"]
     assert [len(g["params"]) for g in saved] == [2, 1] and [g["initial_lr"] for g in saved] == [0.1 * 0.1, 0.1]
-    assert lrs[:2] == [pytest.approx(0.01 * 1 / 3), pytest.approx(0.01 * 2 / 3)]  # warmup (step+1)/(warmup+1)
+    lrs = [(row["lr"], row["lr/4"]) for row in rows(single)]
+    assert lrs[:2] == [pytest.approx((0.1 / 3, 0.01 / 3)), pytest.approx((0.2 / 3, 0.02 / 3))]  # warmup (s+1)/(w+1)
+    assert not any(key.startswith("lr/") and key != "lr/4" for key in rows(single)[0])  # the frozen ones: none
     assert all(row["comm/grad_bytes"] == 0 for row in rows(single))
     assert (single / "parent" / "model.pt").is_file() and (single / "parent" / ".hydra" / "config.yaml").is_file()
 
@@ -199,10 +202,19 @@ def test_two_ranks_k2_train_a_partly_frozen_model_as_one_process_and_sync_only_t
 def test_layer_decay_follows_gpts_declared_layer_order():
     gpt = helpers.compose_cfg("+experiment=addition_gpt", "model.n_layer=2", "optim.layer_decay=0.5")
     config.typed(gpt)
-    settings = optim.plan(gpt.optim, instantiate(model_node(gpt))).settings
+    model = instantiate(model_node(gpt))
+    settings = optim.plan(gpt.optim, model).settings
     assert [settings[n][0] for n in ("wte.weight", "blocks.0.qkv.weight", "blocks.1.mlp.0.bias", "ln_f.weight")] == [
         0.125,
         0.25,
         0.5,
         1.0,
     ]
+    # The rows: optim.lr as `lr`, each layer's own as lr/layer<k>; the console names the first three
+    optimizer = optim.build(gpt.optim, model)
+    row = optim.lr_row(optimizer, [group["lr"] for group in optimizer.param_groups])
+    lr = gpt.optim.lr
+    assert row == pytest.approx(
+        {"lr": lr, "lr/layer0": lr / 8, "lr/layer1": lr / 4, "lr/layer2": lr / 2, "lr/layer3": lr}
+    )
+    assert groups_lr(row) == f" (layer0 {lr / 8:.2e}, layer1 {lr / 4:.2e}, layer2 {lr / 2:.2e}, ...)"

@@ -1,18 +1,21 @@
 """Runs that build on runs: model.init.* (a finished run's weights into a new run), optim.groups (frozen parts,
 lr scales by name, carried to DDP and FSDP by name), exact on any allocation, resumable without the parent."""
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import helpers
 from helpers import assert_equal, run_in_process, weights
 from helpers import rows as metrics_rows
 from trainkit import config, optim, schedules
-from trainkit.parent import Parent, model_node, remap
+from trainkit.errors import ConfigError
+from trainkit.parent import Parent, load_into, model_node, remap
 from trainkit.progress import groups_lr
 
 # A small mlp (Linear layers 1, 4, 7) trained briefly: the parent of the runs below.
@@ -98,6 +101,71 @@ def test_an_init_with_a_missing_key_a_wrong_shape_or_no_model_best_is_one_line_e
         f"error: model.init.from={bare} has no model_best.pt (model.init.weights=best): the run kept no best "
         "checkpoint (checkpoint.monitor=null, or no evaluation)"
     )
+
+
+def test_a_parent_key_the_model_lacks_is_refused_and_the_longest_prefix_decides(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    state = {**model.state_dict(), "9.weight": torch.zeros(1)}  # a key the model has no place for
+    torch.save(state, tmp_path / "extra.pt")
+    init = OmegaConf.create({"from": str(tmp_path / "extra.pt")})
+    with pytest.raises(ConfigError, match=r"does not fit the model: unused 9.weight \(model.init.map"):
+        load_into(model, init)
+    lines: list[str] = []
+    load_into(model, OmegaConf.create({"from": str(tmp_path / "extra.pt"), "map": {"9.": None}}), lines.append)
+    assert lines == [f"model.init: 2 of 2 tensors from {tmp_path / 'extra.pt'}"]
+    keys = {"enc.head.w": 1, "enc.0.w": 2}
+    for mapping in ({"enc.": "encoder.", "enc.head.": None}, {"enc.head.": None, "enc.": "encoder."}):  # any order
+        assert remap(keys, mapping) == {"encoder.0.w": 2}, mapping  # enc.head. is longer: dropped, not renamed
+    assert remap(keys, {"enc.": "e.", "enc.head.": "h."}) == {"h.w": 1, "e.0.w": 2}
+
+
+def test_a_group_keeps_decay_norms_and_biases_false_and_a_partly_frozen_batchnorm_trains():
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Linear(3, 1))
+    cfg = helpers.compose_cfg(
+        "optim=sgd",
+        "optim.weight_decay=0.1",
+        "optim.decay_norms_and_biases=false",
+        'optim.groups=[{params: "0", lr_scale: 0.5}, {params: "1.weight", frozen: true}]',
+    ).optim
+    plan = optim.plan(cfg, net)
+    assert plan.settings["0.weight"] == (0.5, None) and plan.settings["0.bias"] == (0.5, 0.0)  # no decay in a group
+    assert plan.settings["1.bias"] == (1.0, 0.0) and plan.settings["2.weight"] == (1.0, None)
+    decay = {id(p): g["weight_decay"] for g in optim.build(cfg, net, plan).param_groups for p in g["params"]}
+    assert decay[id(net[0].bias)] == decay[id(net[1].bias)] == 0.0 and decay[id(net[0].weight)] == 0.1
+    plan.freeze(net)
+    assert plan.hold_batchnorm(net) == []  # its bias trains: the layer is not frozen, it normalises by the batch
+    net.train()
+    before = net[1].running_mean.clone()
+    net[1](torch.randn(4, 2, 3, 3))
+    assert net[1].training and not torch.equal(net[1].running_mean, before)  # and its statistics move
+
+
+def _fsdp_init(rank: int, world_size: int, parent_file: str, init: dict) -> dict:
+    """What train.py does on each rank: build (seeded alike), model.init, wrap with FSDP2; the full weights after."""
+    from trainkit.checkpoint import full_state_dict
+    from trainkit.dist import Dist
+    from trainkit.parallel import wrap
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun's ranks
+    torch.manual_seed(0)
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    load_into(net, OmegaConf.create({"from": parent_file, **init}), lambda line: None)
+    model, _ = wrap(net, "fsdp", d, False)
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}  # what this rank holds
+    return {"shards": shards, "full": full_state_dict(model)}  # gathered to rank 0
+
+
+def test_model_init_reaches_every_ranks_shard_under_fsdp(tmp_path):
+    torch.manual_seed(1)  # not the ranks' seed: a rank left at its own initialisation differs
+    parent = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).state_dict()
+    torch.save(parent, tmp_path / "parent.pt")
+    ranks = helpers.run_distributed(_fsdp_init, 2, str(tmp_path / "parent.pt"), {})
+    for rank, got in enumerate(ranks):
+        for name, tensor in parent.items():  # Shard(0): rank r holds rows [r x ceil(n/2), ...)
+            rows = -(-len(tensor) // 2)
+            torch.testing.assert_close(got["shards"][name], tensor[rank * rows : (rank + 1) * rows], rtol=0, atol=0)
+    assert_equal(ranks[0]["full"], dict(parent), "gathered")
 
 
 def test_groups_are_refused_when_a_parameter_is_matched_twice_or_none_is():

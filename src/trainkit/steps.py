@@ -22,6 +22,7 @@ from trainkit.metrics import TrainMeter
 from trainkit.parallel import WRAP_SETTINGS, unwrap, wrap
 from trainkit.precision import autocast_for
 from trainkit.rng import seed_all
+from trainkit.syncbn import batchnorm_caveat
 
 
 @dataclass(kw_only=True)  # by keyword only: a new field cannot silently shift the others
@@ -74,6 +75,8 @@ def build(
     groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
     if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
         d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
+    if caveat := batchnorm_caveat(unwrap(model), d.world_size, auto.K):  # the one exception to W x K x b
+        d.print0(caveat)
     optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))

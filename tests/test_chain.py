@@ -92,7 +92,7 @@ def test_an_init_with_a_missing_key_a_wrong_shape_or_no_model_best_is_one_line_e
     err = refusal(tmp_path / "b", capsys, f"+model.init.from={parent}", "model.width=8")
     assert err.endswith(
         "other shape than the model's: 1.weight [16, 64] vs [8, 64]; 1.bias [16] vs [8]; "
-        "4.weight [16, 16] vs [8, 8] ..."
+        "4.weight [16, 16] vs [8, 8] ... (model.init.exclude keeps the model's own; Sequential has no adapt_init)"
     )
     bare = tmp_path / "bare"
     shutil.copytree(parent, bare, ignore=shutil.ignore_patterns("model_best.pt"))
@@ -117,6 +117,36 @@ def test_a_parent_key_the_model_lacks_is_refused_and_the_longest_prefix_decides(
     for mapping in ({"enc.": "encoder.", "enc.head.": None}, {"enc.head.": None, "enc.": "encoder."}):  # any order
         assert remap(keys, mapping) == {"encoder.0.w": 2}, mapping  # enc.head. is longer: dropped, not renamed
     assert remap(keys, {"enc.": "e.", "enc.head.": "h."}) == {"h.w": 1, "e.0.w": 2}
+
+
+def test_init_excludes_by_glob_and_a_model_may_adapt_a_parents_tensor_to_its_shape(tmp_path):
+    """model.init.exclude: "everything but the head" (a new label set's head keeps its fresh initialisation);
+    a model's `adapt_init(name, tensor)`: a parent's tensor of another shape made its own (GPT's longer context)."""
+    torch.manual_seed(0)
+    parent = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 10))
+    torch.save(parent.state_dict(), tmp_path / "p.pt")
+    child = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))  # a new label set: 4 classes
+    fresh = child[1].weight.detach().clone()
+    lines: list[str] = []
+    load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt"), "exclude": ["1.*"]}), lines.append)
+    assert torch.equal(child[0].weight, parent[0].weight) and torch.equal(child[1].weight, fresh)
+    assert lines[1] == "model.init: left at their initialisation (model.init.exclude): 1.weight, 1.bias"
+    with pytest.raises(ConfigError, match=r"model.init.exclude=\[2.\*\] matches no key of the model"):
+        load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt"), "exclude": ["1.*", "2.*"]}))
+    with pytest.raises(ConfigError, match=r"other shape than the model's: 1.weight \[10, 3\] vs \[4, 3\]"):
+        load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt")}))  # no exclude, no adapt_init
+
+    from trainkit.models.gpt import GPT
+
+    short, long = (GPT(vocab_size=7, block_size=n, n_layer=1, n_head=2, n_embd=8, dropout=0.0) for n in (4, 6))
+    torch.save(short.state_dict(), tmp_path / "gpt.pt")
+    own = long.wpe.weight.detach().clone()
+    load_into(long, OmegaConf.create({"from": str(tmp_path / "gpt.pt")}), lines.append)  # strict: every key
+    assert torch.equal(long.wpe.weight[:4], short.wpe.weight) and torch.equal(long.wpe.weight[4:], own[4:])
+    assert "model.init: adapted by GPT.adapt_init: wpe.weight [4, 8] -> [6, 8]" in lines
+    torch.save(long.state_dict(), tmp_path / "long.pt")  # a shorter context from a longer one: refused, one line
+    with pytest.raises(ConfigError, match=r"GPT.adapt_init: wpe.weight \[6, 8\] does not fit \[4, 8\]"):
+        load_into(short, OmegaConf.create({"from": str(tmp_path / "long.pt")}))
 
 
 def test_a_group_keeps_decay_norms_and_biases_false_and_a_partly_frozen_batchnorm_trains():

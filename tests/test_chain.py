@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 import helpers
 from helpers import assert_equal, run_in_process, weights
 from helpers import rows as metrics_rows
-from trainkit import config, optim, schedules
+from trainkit import config, optim
 from trainkit.errors import ConfigError
 from trainkit.parent import Parent, load_into, model_node, remap
 from trainkit.progress import groups_lr
@@ -270,7 +270,7 @@ def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after
     for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
         assert_equal(got[key], final[key], key)  # bitwise
     assert rows(resumed) == rows(single)[3:]
-    multiplier = schedules.multiplier(helpers.compose_cfg(*CHAINED).sched, 6)
+    multiplier = optim.multiplier(helpers.compose_cfg(*CHAINED).sched, 6)
     want = [[0.1 * 0.1 * multiplier(step), 0.1 * multiplier(step)] for step in range(6)]  # layer 4 at x 0.1, 7
     assert [lr for step in LRS["single"] for lr in step] == pytest.approx([lr for step in want for lr in step])
     assert helpers.RecordingSGD.lrs == LRS["single"][3:]  # the resumed run's, bit for bit

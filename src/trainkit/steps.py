@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trainkit import optim, schedules
+from trainkit import optim
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import unpacker
 from trainkit.coupled import CoupledWindows, couples
@@ -79,7 +79,7 @@ def build(
         d.print0(caveat)
     optimizer = optim.build(cfg.optim, unwrap(model), groups)  # by name: FSDP's shards, DDP's own parameters
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, total_steps))
     autocast = autocast_for(cfg.trainer.precision, d.device)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")
     guard = StepGuard(unwrap(model), cfg.trainer.on_nonfinite, scaler, d, keep=auto.enabled)

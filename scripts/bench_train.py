@@ -64,7 +64,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from train import train  # noqa: E402
-from trainkit import config, dist, metrics, optim, schedules  # noqa: E402
+from trainkit import config, dist, metrics, optim  # noqa: E402
 from trainkit.loading import TrainWindows  # noqa: E402
 from trainkit.precision import autocast_for  # noqa: E402
 
@@ -97,7 +97,7 @@ def plain_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
     if d.distributed:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     optimizer = optim.build(cfg.optim, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, steps))
     task = instantiate(cfg.task)
     sampler = DistributedSampler(train_set) if d.distributed else None
     loader = DataLoader(
@@ -149,7 +149,7 @@ def tensor_steps(cfg, d: dist.Dist, steps: int) -> Iterator[int]:
     if d.distributed:
         model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     optimizer = optim.build(cfg.optim, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, steps))
     task = instantiate(cfg.task)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     max_norm = cfg.trainer.clip_grad_norm or math.inf

@@ -228,7 +228,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                lr = parts.optimizer.param_groups[0]["lr"]  # the step's, before the scheduler moves on
+                lrs = [group["lr"] for group in parts.optimizer.param_groups]  # the step's, before the schedule moves
                 step_once(parts, windows, window, step)
                 step += 1
                 if (due := cadence.after(step)) is None:  # most steps: nothing more to do (early stopping and
@@ -251,7 +251,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
                 due.save |= stopped_early
                 if due.log or stopped_early:  # outside paused(): the row's throughput is training time's
-                    row |= meter.row() | {"lr": lr, "micro_batch": windows.layout.batch_size}
+                    row |= meter.row() | optim.lr_row(parts.optimizer, lrs) | {"micro_batch": windows.layout.batch_size}
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
                 with meter.paused():

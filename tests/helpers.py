@@ -618,9 +618,11 @@ def make_parent(run_dir: Path, *overrides: str, seed: int = 0) -> Path:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from trainkit.parent import model_node
+
     cfg = compose_cfg(*overrides)
     torch.manual_seed(seed)
-    model = instantiate(cfg.model)
+    model = instantiate(model_node(cfg))  # a parent that has a parent of its own: its model less model.init
     (Path(run_dir) / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, Path(run_dir) / ".hydra" / "config.yaml")
     torch.save(model.state_dict(), Path(run_dir) / "model.pt")

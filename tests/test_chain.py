@@ -1,18 +1,22 @@
 """Runs that build on runs: model.init.* (a finished run's weights into a new run), optim.groups (frozen parts,
 lr scales by name, carried to DDP and FSDP by name), exact on any allocation, resumable without the parent."""
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import helpers
 from helpers import assert_equal, run_in_process, weights
 from helpers import rows as metrics_rows
-from trainkit import config, optim, schedules
-from trainkit.parent import Parent, model_node, remap
+from trainkit import config, optim
+from trainkit.errors import ConfigError
+from trainkit.parent import Parent, load_into, model_node, remap
+from trainkit.progress import groups_lr
 
 # A small mlp (Linear layers 1, 4, 7) trained briefly: the parent of the runs below.
 PARENT = ["model.width=16", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.test=false"]
@@ -88,7 +92,7 @@ def test_an_init_with_a_missing_key_a_wrong_shape_or_no_model_best_is_one_line_e
     err = refusal(tmp_path / "b", capsys, f"+model.init.from={parent}", "model.width=8")
     assert err.endswith(
         "other shape than the model's: 1.weight [16, 64] vs [8, 64]; 1.bias [16] vs [8]; "
-        "4.weight [16, 16] vs [8, 8] ..."
+        "4.weight [16, 16] vs [8, 8] ... (model.init.exclude keeps the model's own; Sequential has no adapt_init)"
     )
     bare = tmp_path / "bare"
     shutil.copytree(parent, bare, ignore=shutil.ignore_patterns("model_best.pt"))
@@ -97,6 +101,101 @@ def test_an_init_with_a_missing_key_a_wrong_shape_or_no_model_best_is_one_line_e
         f"error: model.init.from={bare} has no model_best.pt (model.init.weights=best): the run kept no best "
         "checkpoint (checkpoint.monitor=null, or no evaluation)"
     )
+
+
+def test_a_parent_key_the_model_lacks_is_refused_and_the_longest_prefix_decides(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    state = {**model.state_dict(), "9.weight": torch.zeros(1)}  # a key the model has no place for
+    torch.save(state, tmp_path / "extra.pt")
+    init = OmegaConf.create({"from": str(tmp_path / "extra.pt")})
+    with pytest.raises(ConfigError, match=r"does not fit the model: unused 9.weight \(model.init.map"):
+        load_into(model, init)
+    lines: list[str] = []
+    load_into(model, OmegaConf.create({"from": str(tmp_path / "extra.pt"), "map": {"9.": None}}), lines.append)
+    assert lines == [f"model.init: 2 of 2 tensors from {tmp_path / 'extra.pt'}"]
+    keys = {"enc.head.w": 1, "enc.0.w": 2}
+    for mapping in ({"enc.": "encoder.", "enc.head.": None}, {"enc.head.": None, "enc.": "encoder."}):  # any order
+        assert remap(keys, mapping) == {"encoder.0.w": 2}, mapping  # enc.head. is longer: dropped, not renamed
+    assert remap(keys, {"enc.": "e.", "enc.head.": "h."}) == {"h.w": 1, "e.0.w": 2}
+
+
+def test_init_excludes_by_glob_and_a_model_may_adapt_a_parents_tensor_to_its_shape(tmp_path):
+    """model.init.exclude: "everything but the head" (a new label set's head keeps its fresh initialisation);
+    a model's `adapt_init(name, tensor)`: a parent's tensor of another shape made its own (GPT's longer context)."""
+    torch.manual_seed(0)
+    parent = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 10))
+    torch.save(parent.state_dict(), tmp_path / "p.pt")
+    child = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))  # a new label set: 4 classes
+    fresh = child[1].weight.detach().clone()
+    lines: list[str] = []
+    load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt"), "exclude": ["1.*"]}), lines.append)
+    assert torch.equal(child[0].weight, parent[0].weight) and torch.equal(child[1].weight, fresh)
+    assert lines[1] == "model.init: left at their initialisation (model.init.exclude): 1.weight, 1.bias"
+    with pytest.raises(ConfigError, match=r"model.init.exclude=\[2.\*\] matches no key of the model"):
+        load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt"), "exclude": ["1.*", "2.*"]}))
+    with pytest.raises(ConfigError, match=r"other shape than the model's: 1.weight \[10, 3\] vs \[4, 3\]"):
+        load_into(child, OmegaConf.create({"from": str(tmp_path / "p.pt")}))  # no exclude, no adapt_init
+
+    from trainkit.models.gpt import GPT
+
+    short, long = (GPT(vocab_size=7, block_size=n, n_layer=1, n_head=2, n_embd=8, dropout=0.0) for n in (4, 6))
+    torch.save(short.state_dict(), tmp_path / "gpt.pt")
+    own = long.wpe.weight.detach().clone()
+    load_into(long, OmegaConf.create({"from": str(tmp_path / "gpt.pt")}), lines.append)  # strict: every key
+    assert torch.equal(long.wpe.weight[:4], short.wpe.weight) and torch.equal(long.wpe.weight[4:], own[4:])
+    assert "model.init: adapted by GPT.adapt_init: wpe.weight [4, 8] -> [6, 8]" in lines
+    torch.save(long.state_dict(), tmp_path / "long.pt")  # a shorter context from a longer one: refused, one line
+    with pytest.raises(ConfigError, match=r"GPT.adapt_init: wpe.weight \[6, 8\] does not fit \[4, 8\]"):
+        load_into(short, OmegaConf.create({"from": str(tmp_path / "long.pt")}))
+
+
+def test_a_group_keeps_decay_norms_and_biases_false_and_a_partly_frozen_batchnorm_trains():
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Linear(3, 1))
+    cfg = helpers.compose_cfg(
+        "optim=sgd",
+        "optim.weight_decay=0.1",
+        "optim.decay_norms_and_biases=false",
+        'optim.groups=[{params: "0", lr_scale: 0.5}, {params: "1.weight", frozen: true}]',
+    ).optim
+    plan = optim.plan(cfg, net)
+    assert plan.settings["0.weight"] == (0.5, None) and plan.settings["0.bias"] == (0.5, 0.0)  # no decay in a group
+    assert plan.settings["1.bias"] == (1.0, 0.0) and plan.settings["2.weight"] == (1.0, None)
+    decay = {id(p): g["weight_decay"] for g in optim.build(cfg, net, plan).param_groups for p in g["params"]}
+    assert decay[id(net[0].bias)] == decay[id(net[1].bias)] == 0.0 and decay[id(net[0].weight)] == 0.1
+    plan.freeze(net)
+    assert plan.hold_batchnorm(net) == []  # its bias trains: the layer is not frozen, it normalises by the batch
+    net.train()
+    before = net[1].running_mean.clone()
+    net[1](torch.randn(4, 2, 3, 3))
+    assert net[1].training and not torch.equal(net[1].running_mean, before)  # and its statistics move
+
+
+def _fsdp_init(rank: int, world_size: int, parent_file: str, init: dict) -> dict:
+    """What train.py does on each rank: build (seeded alike), model.init, wrap with FSDP2; the full weights after."""
+    from trainkit.checkpoint import full_state_dict
+    from trainkit.dist import Dist
+    from trainkit.parallel import wrap
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun's ranks
+    torch.manual_seed(0)
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    load_into(net, OmegaConf.create({"from": parent_file, **init}), lambda line: None)
+    model, _ = wrap(net, "fsdp", d, False)
+    shards = {k: v.to_local().clone() for k, v in model.state_dict().items()}  # what this rank holds
+    return {"shards": shards, "full": full_state_dict(model)}  # gathered to rank 0
+
+
+def test_model_init_reaches_every_ranks_shard_under_fsdp(tmp_path):
+    torch.manual_seed(1)  # not the ranks' seed: a rank left at its own initialisation differs
+    parent = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).state_dict()
+    torch.save(parent, tmp_path / "parent.pt")
+    ranks = helpers.run_distributed(_fsdp_init, 2, str(tmp_path / "parent.pt"), {})
+    for rank, got in enumerate(ranks):
+        for name, tensor in parent.items():  # Shard(0): rank r holds rows [r x ceil(n/2), ...)
+            rows = -(-len(tensor) // 2)
+            torch.testing.assert_close(got["shards"][name], tensor[rank * rows : (rank + 1) * rows], rtol=0, atol=0)
+    assert_equal(ranks[0]["full"], dict(parent), "gathered")
 
 
 def test_groups_are_refused_when_a_parameter_is_matched_twice_or_none_is():
@@ -139,11 +238,13 @@ def test_frozen_parameters_are_the_parents_bit_for_bit_and_groups_follow_the_sch
     got, start = weights(single), weights(parent)
     for name in got:
         assert torch.equal(got[name], start[name]) is (name in FROZEN), name  # the others trained
-    lrs = [row["lr"] for row in rows(single)]
-    # The row's lr is group 0's (layer 4 at x 0.1, the first trainable); the checkpoint's groups: 4 and 7.weight.
+    # The checkpoint's groups: layer 4 (x 0.1) and 7.weight. The rows: `lr` (optim.lr x the schedule: 7.weight's,
+    # which no group scales) and each group's own, lr/<group> (not the lr of whichever holds the first parameter)
     saved = torch.load(single / "checkpoints" / "step_00000006.pt", weights_only=True)["optimizer"]["param_groups"]
     assert [len(g["params"]) for g in saved] == [2, 1] and [g["initial_lr"] for g in saved] == [0.1 * 0.1, 0.1]
-    assert lrs[:2] == [pytest.approx(0.01 * 1 / 3), pytest.approx(0.01 * 2 / 3)]  # warmup (step+1)/(warmup+1)
+    lrs = [(row["lr"], row["lr/4"]) for row in rows(single)]
+    assert lrs[:2] == [pytest.approx((0.1 / 3, 0.01 / 3)), pytest.approx((0.2 / 3, 0.02 / 3))]  # warmup (s+1)/(w+1)
+    assert not any(key.startswith("lr/") and key != "lr/4" for key in rows(single)[0])  # the frozen ones: none
     assert all(row["comm/grad_bytes"] == 0 for row in rows(single))
     assert (single / "parent" / "model.pt").is_file() and (single / "parent" / ".hydra" / "config.yaml").is_file()
 
@@ -169,7 +270,7 @@ def test_each_groups_lr_is_the_schedule_times_its_scale_at_every_step_also_after
     for key in ("model", "optimizer", "scheduler", "ranks", "progress"):
         assert_equal(got[key], final[key], key)  # bitwise
     assert rows(resumed) == rows(single)[3:]
-    multiplier = schedules.multiplier(helpers.compose_cfg(*CHAINED).sched, 6)
+    multiplier = optim.multiplier(helpers.compose_cfg(*CHAINED).sched, 6)
     want = [[0.1 * 0.1 * multiplier(step), 0.1 * multiplier(step)] for step in range(6)]  # layer 4 at x 0.1, 7
     assert [lr for step in LRS["single"] for lr in step] == pytest.approx([lr for step in want for lr in step])
     assert helpers.RecordingSGD.lrs == LRS["single"][3:]  # the resumed run's, bit for bit
@@ -199,10 +300,19 @@ def test_two_ranks_k2_train_a_partly_frozen_model_as_one_process_and_sync_only_t
 def test_layer_decay_follows_gpts_declared_layer_order():
     gpt = helpers.compose_cfg("+experiment=addition_gpt", "model.n_layer=2", "optim.layer_decay=0.5")
     config.typed(gpt)
-    settings = optim.plan(gpt.optim, instantiate(model_node(gpt))).settings
+    model = instantiate(model_node(gpt))
+    settings = optim.plan(gpt.optim, model).settings
     assert [settings[n][0] for n in ("wte.weight", "blocks.0.qkv.weight", "blocks.1.mlp.0.bias", "ln_f.weight")] == [
         0.125,
         0.25,
         0.5,
         1.0,
     ]
+    # The rows: optim.lr as `lr`, each layer's own as lr/layer<k>; the console names the first three
+    optimizer = optim.build(gpt.optim, model)
+    row = optim.lr_row(optimizer, [group["lr"] for group in optimizer.param_groups])
+    lr = gpt.optim.lr
+    assert row == pytest.approx(
+        {"lr": lr, "lr/layer0": lr / 8, "lr/layer1": lr / 4, "lr/layer2": lr / 2, "lr/layer3": lr}
+    )
+    assert groups_lr(row) == f" (layer0 {lr / 8:.2e}, layer1 {lr / 4:.2e}, layer2 {lr / 2:.2e}, ...)"

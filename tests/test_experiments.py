@@ -24,18 +24,18 @@ from trainkit.loading import TrainLoader, draws_random
 from trainkit.parent import load_into, model_node
 from trainkit.tasks.classification import Classification
 
-EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+CONF = ROOT / "conf"  # a test of a fork's experiment composes a copy of it
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-# Experiments that build on a finished run: the key that names it, and the overrides of a run to stand in for it
-# (made on the fly by helpers.make_parent: its config and initial weights, no training)
-PARENTS = {"digits_distil": ("task.teacher.from", ("model=cnn",))}
 
 
 def parent_overrides(name: str, tmp_path: Path) -> list[str]:
-    if name not in PARENTS:
-        return []
-    key, overrides = PARENTS[name]
-    return [f"{key}={make_parent(tmp_path / 'parent', *overrides)}"]
+    """An experiment that builds on finished runs declares them in its yaml (`parents: {key: [overrides of such a
+    run]}`, e.g. {task.teacher.from: [model=cnn]}): each is made on the fly under `tmp_path` by helpers.make_parent
+    (its config and initial weights, no training: a child's build checks the weights' names and shapes) and given
+    as its key. A fork's experiment is covered by what it declares, without an edit of this file."""
+    parents = compose_experiment(name).parents.items()
+    return [f"{key}={make_parent(tmp_path / f'parent{i}', *overrides)}" for i, (key, overrides) in enumerate(parents)]
 
 
 def write_fake_cifar10(root: Path, per_batch: int = 4, test: int = 6) -> Path:
@@ -104,30 +104,13 @@ def small(data: str, cifar_root: Path) -> list[str]:
 
 
 def compose_experiment(name: str, *overrides: str):
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
         return compose("train", [f"+experiment={name}", *overrides])
-
-
-def parent_of(name: str, tmp_path_factory) -> list[str]:
-    """An experiment that builds on a run (model.init.from: ???, a probe, a fine-tune) gets one made on the fly:
-    the run dir of its parent experiment (the yaml's first command line), its model untrained (the weights'
-    names and shapes are what a child's build checks), as model.init.from; others get nothing."""
-    cfg = compose_experiment(name)
-    if "init" not in cfg.model or not OmegaConf.is_missing(cfg.model.init, "from"):
-        return []
-    text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
-    parent = re.search(r"\+experiment=(\w+)", text).group(1)  # type: ignore[union-attr]
-    run_dir = tmp_path_factory.mktemp(f"parent_{parent}")
-    parent_cfg = compose_experiment(parent)
-    (run_dir / ".hydra").mkdir()
-    OmegaConf.save(parent_cfg, run_dir / ".hydra" / "config.yaml")
-    torch.save(instantiate(model_node(parent_cfg)).state_dict(), run_dir / "model.pt")
-    return [f"model.init.from={run_dir}"]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_passes_the_checks_and_builds(name, cifar_root, tmp_path_factory):
-    parents = [*parent_of(name, tmp_path_factory), *parent_overrides(name, tmp_path_factory.mktemp("teacher"))]
+    parents = parent_overrides(name, tmp_path_factory.mktemp("parents"))
     cfg = compose_experiment(name, *small("", cifar_root), *parents)
     config.check(cfg)
     model = instantiate(model_node(cfg))
@@ -149,12 +132,12 @@ def accumulation_sweep(tmp_path_factory, cifar_root) -> tuple[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request, tmp_path_factory):
+def test_every_experiment_trains_two_steps(name, cifar_root, tmp_path, request):
     cfg = compose_experiment(name)
     nproc = 2 if cfg.parallel.mode in ("ddp", "fsdp") or "ddp" in name else 1  # ddp/fsdp ones under torchrun
     sweep = tmp_path / "sweep"
     overrides = [f"+experiment={name}", *small(cfg.data.name, cifar_root), f"hydra.sweep.dir={sweep}"]
-    overrides += parent_of(name, tmp_path_factory) + parent_overrides(name, tmp_path)
+    overrides += parent_overrides(name, tmp_path)
     if name == "accumulation_sweep":  # its sweep, which the next test reads too
         stdout, sweep = request.getfixturevalue("accumulation_sweep")
     elif "mode: MULTIRUN" in (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text():
@@ -229,3 +212,29 @@ def test_cifar_augmentation_is_random_reproducible_and_train_only(cifar_root):
 def test_augmentation_of_a_set_without_one_is_refused():
     with pytest.raises(ConfigError, match="no augmentation is defined for MNIST"):
         torchvision_splits("MNIST", "/nonexistent", download=False, augment=True)
+
+
+def test_a_forks_experiment_that_builds_on_a_run_is_found_without_editing_this_file(tmp_path, monkeypatch):
+    """A fork adds conf/experiment/<its own>.yaml that needs a finished run (a teacher here): the tests above make
+    that run for it from what the yaml declares, not from a list in this file (which a fork never edits)."""
+    import shutil
+
+    import test_experiments
+
+    conf = shutil.copytree(CONF, tmp_path / "conf")
+    lines = (CONF / "experiment" / "digits_distil.yaml").read_text().splitlines()
+    kept = [line for line in lines if not line.startswith("# ") or "@package" in line]  # no command line to read
+    (conf / "experiment" / "fork_distil.yaml").write_text("\n".join(kept))
+    monkeypatch.setattr(test_experiments, "CONF", conf)
+    overrides = parent_overrides("fork_distil", tmp_path / "parents")
+    assert [o.partition("=")[0] for o in overrides] == ["task.teacher.from"]
+    cfg = compose_experiment("fork_distil", *small("", tmp_path), *overrides)
+    config.check(cfg)
+    teacher.build_task(cfg.task, None, torch.device("cpu"), own=False)
+
+
+def test_a_parent_declared_under_a_key_that_is_no_setting_is_refused():
+    cfg = compose_experiment("digits_simclr")
+    cfg.parents = {"model.init.form": ["+experiment=digits_simclr"]}  # misspelt: no test would make its parent
+    with pytest.raises(ConfigError, match=r"parents.model.init.form: there is no setting model.init.form"):
+        config.check(cfg)

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "src" / "trainkit"
-ROOMS = ("models", "data", "tasks")  # the fork's parts, mirroring conf/model, conf/data, conf/task
+ROOMS = ("models", "data", "tasks", "schedules")  # the fork's parts, mirroring conf/model, data, task, sched
 
 
 def engine_modules() -> dict[str, Path]:

@@ -71,3 +71,29 @@ def test_decay_norms_and_biases_false_exempts_the_vectors_from_weight_decay(deca
     for name, p in model.named_parameters():
         decayed = not torch.equal(p, before[name])
         assert decayed == (decay_all or p.dim() >= 2), name  # biases and the LayerNorm's gain: only when all decay
+
+
+def halving(step: int, *, total_steps: int, every: int = 10) -> float:
+    """A fork's schedule (conf/sched/halving.yaml's _target_): the lr halves every `every` optimizer steps."""
+    return 0.5 ** (step // every)
+
+
+def test_a_forks_schedule_is_a_yaml_and_a_function_its_keys_typed_by_the_signature(tmp_path):
+    """sched= is a room like model=, data=, task=: a fork adds conf/sched/<name>.yaml naming its own function, no
+    engine edit; its keys are its keyword arguments after total_steps (typed, a wrong one refused in one line)."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from helpers import ROOT
+    from trainkit import config, optim
+
+    conf = shutil.copytree(ROOT / "conf", tmp_path / "conf")
+    (conf / "sched" / "halving.yaml").write_text("_target_: test_schedules.halving\n_partial_: true\nevery: 3\n")
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        cfg = compose("train", ["sched=halving"])
+        bad = compose("train", ["sched=halving", "sched.every=often"])
+    config.check(cfg)
+    assert [optim.multiplier(cfg.sched, 10)(s) for s in (0, 2, 3, 7)] == [1.0, 1.0, 0.5, 0.25]
+    with pytest.raises(ConfigError, match="sched.every"):
+        config.check(bad)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import run_distributed
-from trainkit.syncbn import SyncBatchNorm, _SyncBatchNormFn, convert_sync_batchnorm
+from helpers import run_distributed, run_in_process
+from trainkit.syncbn import SyncBatchNorm, _SyncBatchNormFn, batchnorm_caveat, convert_sync_batchnorm
 
 STEPS = 3  # training steps per case: running stats and momentum=None need several
 
@@ -359,3 +359,28 @@ def test_convert_sync_batchnorm_keeps_parameters_buffers_and_settings():
 def test_convert_uses_torch_syncbn_on_cuda():
     model, skipped = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3), MyBatchNorm()).cuda())
     assert type(model[0]) is nn.SyncBatchNorm and skipped == ["1"]
+
+
+def test_a_run_whose_batchnorm_sees_part_of_the_global_batch_says_so_once(tmp_path):
+    """W x K x b trains what one process trains, except BatchNorm's statistics: per rank without parallel.sync_bn,
+    per micro-batch with K > 1. The run says which, once; where they are the global batch's, nothing."""
+    net = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2, 1), nn.BatchNorm1d(1))
+    ranks = batchnorm_caveat(net, world_size=2, steps=1)
+    assert ranks is not None and "each of the 2 ranks' micro-batch" in ranks and "parallel.sync_bn=true" in ranks
+    assert "(1, 4)" in ranks
+    micro = batchnorm_caveat(convert_sync_batchnorm(net)[0], world_size=2, steps=2)  # synced: the K stay apart
+    assert micro is not None and "each of the 2 micro-batches" in micro and "sync_bn" not in micro
+    assert batchnorm_caveat(convert_sync_batchnorm(net)[0], world_size=2, steps=1) is None
+    assert batchnorm_caveat(net, world_size=1, steps=1) is None
+    assert batchnorm_caveat(nn.Linear(2, 1), world_size=2, steps=2) is None  # no BatchNorm
+    assert batchnorm_caveat(net.eval(), world_size=2, steps=2) is None  # held in eval (frozen): no batch statistics
+    out = run_in_process(
+        tmp_path,
+        "model=cnn",
+        "model.width=4",
+        "trainer.max_steps=1",
+        "accumulation.steps=2",
+        "trainer.test=false",
+        "checkpoint.every=0",
+    )
+    assert out.count("note: BatchNorm") == 1 and "each of the 2 micro-batches" in out, out

@@ -292,9 +292,15 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"sched.min_ratio={cfg.sched.min_ratio} must be a number in [0, 1]")
     optim.check(cfg.optim)  # optim.groups, layer_decay (the names are checked against the model as it is built)
     parent.check(cfg.model.get("init"))  # model.init (the parent itself is read as the model is built)
+    for key in cfg.get("parents") or {}:  # an experiment's declared parents (tests make them): real keys
+        if OmegaConf.select(cfg, str(key), default=_ABSENT, throw_on_missing=False) is _ABSENT:
+            raise ConfigError(f"parents.{key}: there is no setting {key} (a key naming a run, e.g. model.init.from)")
     _check_agreement(cfg)
     if cfg.parallel.mode == "fsdp":
         _check_fsdp(cfg)
+
+
+_ABSENT = object()
 
 
 def _check_known_keys(cfg: DictConfig) -> None:

@@ -10,20 +10,25 @@ What decides a parameter's group, later rules over earlier ones:
   character higher.
 - `optim.layer_decay=<d>`: lr x d^(L - layer) for models that declare their layer order (a `layer_of(name)`
   method: 0 for the input side, L for the head: GPT, timm's models through timm's group_matcher).
-- `optim.groups`: a list of {params: a glob over parameter names, lr_scale, weight_decay, frozen}; a parameter
+- `optim.groups`: a list of {params: a glob over parameter names, lr_scale, weight_decay, frozen, name}; a parameter
   matched by two is refused, the unmatched ones keep the defaults. `frozen: true`: requires_grad=False before
   wrapping, so the parameter is in no optimizer group, no clipping norm and no gradient sync (DDP builds its
   buckets of the parameters that require a gradient; FSDP2 reduce-scatters only gradients that exist), and the
   BatchNorm layers whose parameters are all frozen keep their running statistics (eval mode) unless
   `optim.frozen_batchnorm=train`.
 Each group's lr is optim.lr x its lr_scale, moved by the schedule (LambdaLR scales each group's initial lr; a
-resume recomputes them from this run's config: checkpoint._apply_hyperparameters).
+resume recomputes them from this run's config: checkpoint._apply_hyperparameters). Rows show `lr` (optim.lr x the
+schedule: the parameters nothing scales) and each named group's own as `lr/<name>` (`lr_row`): a group's `name`, else
+its glob without wildcards (`encoder.*`: lr/encoder); with layer_decay `layer<k>` (lr/layer3, lr/encoder/layer3).
 """
 
 import fnmatch
+import functools
 import inspect
+import re
 import types
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from hydra.utils import get_class, instantiate
@@ -31,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.errors import ConfigError
 
-GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen")
+GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen", "name")
 FROZEN_BATCHNORM = ("eval", "train")  # optim.frozen_batchnorm
 TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm")  # not the optimizer's
 FUSED = ("auto", True, False)  # optim.fused
@@ -47,12 +52,13 @@ def matches(name: str, pattern: str) -> bool:
 
 @dataclass(frozen=True)
 class Plan:
-    """Each parameter's group, by name: {name: (lr_scale, weight_decay or None for the optimizer's)}, and the
-    frozen names."""
+    """Each parameter's group, by name: {name: (lr_scale, weight_decay or None for the optimizer's)}, the frozen
+    names, and each parameter's label: what its lr is named by in the rows ("" for optim.lr's own)."""
 
     settings: dict[str, tuple[float, float | None]]
     frozen: frozenset[str]
     frozen_batchnorm: str = "eval"
+    labels: dict[str, str] = field(default_factory=dict)
 
     def freeze(self, model: torch.nn.Module) -> None:
         """requires_grad=False for the frozen parameters (by name; before wrapping, and again after it on the
@@ -99,6 +105,9 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
         layers = {name: layer_of(name) for name, _ in named}
         last = max(layers.values())
         settings = {name: (decay ** (last - layers[name]), wd) for name, (_, wd) in settings.items()}
+        labels = {name: f"layer{layers[name]}" for name, _ in named}
+    else:
+        labels = {name: "" for name, _ in named}
     frozen: set[str] = set()
     owner: dict[str, int] = {}
     for i, group in enumerate(optim.get("groups") or []):
@@ -116,9 +125,28 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
             owner[name] = i
             scale, wd = settings[name]
             settings[name] = (scale * group.get("lr_scale", 1.0), group.get("weight_decay", wd))
+            labels[name] = "/".join(filter(None, (group_name(group), labels[name])))
             if group.get("frozen", False):
                 frozen.add(name)
-    return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"))
+    return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"), labels)
+
+
+def group_name(group) -> str:
+    """A group's name in the rows (lr/<name>): its `name`, else its glob without wildcards (`encoder.*`: encoder)."""
+    return str(group.get("name") or re.sub(r"[*?\[\]]", "", group.params).strip(".") or group.params)
+
+
+def lr_row(optimizer: torch.optim.Optimizer, lrs: list[float]) -> dict[str, float]:
+    """The row's learning rates, `lrs` being each param group's at the step: `lr`, optim.lr x the schedule (the lr
+    of the parameters that no group or layer decay scales), and with named groups `lr/<name>`, each one's own."""
+    row: dict[str, float] = {}
+    base = None
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if group.get("name"):
+            row.setdefault(f"lr/{group['name']}", lr)
+        if base is None and group.get("lr_scale", 1.0) > 0:
+            base = lr / group.get("lr_scale", 1.0)  # x 1 for an unscaled group: its own lr, exactly
+    return {"lr": lrs[0] if base is None else base} | row
 
 
 def build(
@@ -138,17 +166,19 @@ def build(
         if kwargs["fused"] is None:
             kwargs.pop("fused")
     lr = kwargs["lr"]
-    by_setting: dict[tuple[float, float | None], list[torch.nn.Parameter]] = {}  # in the parameters' order
+    by_setting: dict[tuple[str, float, float | None], list[torch.nn.Parameter]] = {}  # in the parameters' order
     for name, p in model.named_parameters():
         if name not in plan_.frozen:
-            by_setting.setdefault(plan_.settings[name], []).append(p)
+            by_setting.setdefault((plan_.labels.get(name, ""), *plan_.settings[name]), []).append(p)
     if not by_setting:
         raise ConfigError("optim.groups: every parameter is frozen: nothing to train")
     param_groups = []
-    for (scale, wd), params in by_setting.items():
+    for (label, scale, wd), params in by_setting.items():
         group: dict = {"params": params, "lr": lr * scale}
         if wd is not None:
             group["weight_decay"] = wd
+        if label:  # the rows' lr/<label> (lr_row); torch keeps a group's extra keys, a resume puts back this run's
+            group |= {"name": label, "lr_scale": scale}
         param_groups.append(group)
     return instantiate(kwargs)(param_groups)
 
@@ -180,6 +210,8 @@ def check(optim: DictConfig) -> None:
             raise ConfigError(f"optim.groups[{i}]: unknown key {sorted(unknown)[0]} (keys: {', '.join(GROUP_KEYS)})")
         if not isinstance(group.get("params"), str):
             raise ConfigError(f"optim.groups[{i}].params must be a glob over parameter names (e.g. encoder.*)")
+        if not isinstance(group.get("name", ""), str) or "/" in group.get("name", ""):
+            raise ConfigError(f"optim.groups[{i}].name={group.name} must be a word (the rows' lr/<name>)")
         if not isinstance(group.get("frozen", False), bool):
             raise ConfigError(f"optim.groups[{i}].frozen={group.frozen} must be true or false")
         wd = group.get("weight_decay")
@@ -188,3 +220,13 @@ def check(optim: DictConfig) -> None:
         scale = group.get("lr_scale", 1.0)
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale < 0:
             raise ConfigError(f"optim.groups[{i}].lr_scale={scale} must be a number >= 0")
+
+
+def multiplier(sched: DictConfig, total_steps: int) -> Callable[[int], float]:
+    """The configured schedule (cfg.sched: a function of the schedules room, trainkit/schedules/) with its settings
+    and total_steps bound, as a plain functools.partial: Hydra's own partial checks its target policy on every call
+    (~0.1 ms, as long as a small model's step). torch's LambdaLR calls it once per optimizer step."""
+    schedule = instantiate(sched, total_steps=total_steps)
+    if isinstance(schedule, functools.partial):
+        return functools.partial(schedule.func, *schedule.args, **schedule.keywords)
+    return schedule

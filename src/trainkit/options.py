@@ -1,11 +1,13 @@
-"""The rooms' options: conf/model, conf/data and conf/task. Each yaml's `_target_` names a callable in a module
-of its room (trainkit/models, data, tasks), and that module may declare what the engine asks of it:
+"""The rooms' options: conf/model, conf/data, conf/task and conf/sched. Each yaml's `_target_` names a callable in a
+module of its room (trainkit/models, data, tasks, schedules), and that module may declare what the engine asks of
+it:
 
 - `Schema`: a dataclass of the yaml's keys; `typed` merges the node into it, so a value of the wrong type or an
   unknown key is refused in one line naming it, and the schema's defaults fill in what the yaml leaves out.
   Without one, the schema is the `_target_`'s signature (`derived`: a parameter's annotation is its key's type,
   its default the key's default; a data set's is trainkit.schema.Data with `splits` its function's signature):
-  an option whose keys are its constructor's arguments writes them once, in the signature. A module declares
+  an option whose keys are its constructor's arguments writes them once, in the signature (a schedule's: its
+  keyword arguments after the `step` and `total_steps` the engine passes, CALLED_WITH). A module declares
   `Schema` where the yaml holds more than the arguments (a data set's own keys beside `splits`) or its defaults
   differ from the constructor's; a signature with **kwargs has no closed set of keys: no schema is derived.
 - `check(cfg)`: refuses a config the option cannot work with (e.g. task=lm on a data set without tokens).
@@ -32,7 +34,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from trainkit.errors import ConfigError
 from trainkit.schema import Data
 
-TARGETS = {"model": "model._target_", "data": "data.splits._target_", "task": "task._target_"}
+TARGETS = {
+    "model": "model._target_",
+    "data": "data.splits._target_",
+    "task": "task._target_",
+    "sched": "sched._target_",
+}
+CALLED_WITH = {"sched": ("step", "total_steps")}  # a room's arguments the engine passes at the call, no yaml keys
 
 
 def module_of(cfg: DictConfig, group: str) -> ModuleType | None:
@@ -57,7 +65,8 @@ def typed(cfg: DictConfig) -> None:
         module = module_of(cfg, group)
         schema = getattr(module, "Schema", None) if module is not None else None
         if module is not None and schema is None:
-            schema = derived(OmegaConf.select(cfg, TARGETS[group]), group == "data", _hydra_keys(cfg[group], group))
+            target, keys = OmegaConf.select(cfg, TARGETS[group]), _hydra_keys(cfg[group], group)
+            schema = derived(target, group == "data", keys, CALLED_WITH.get(group, ()))
         if schema is None or OmegaConf.get_type(cfg[group]) is schema:
             continue
         if group == "model" and "init" in cfg.model:  # model.init (trainkit/parent.py): the engine's key, not the
@@ -82,11 +91,13 @@ def _hydra_keys(node: DictConfig, group: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def derived(target: str, data: bool = False, hydra_keys: tuple[str, ...] = ()) -> type | None:
+def derived(
+    target: str, data: bool = False, hydra_keys: tuple[str, ...] = (), called_with: tuple[str, ...] = ()
+) -> type | None:
     """The schema of an option without `Schema`: the keys of `target`'s signature, typed by their annotations
     (Any where there is none, or where OmegaConf cannot type it, e.g. a Dataset), their defaults (MISSING where
     there is none: the yaml sets it); for a data set (data=True) Data with `splits` typed so. None where the
-    signature takes **kwargs (any key goes) or cannot be read."""
+    signature takes **kwargs (any key goes) or cannot be read. `called_with`: parameters the engine passes, no keys."""
     try:
         parameters = inspect.signature(get_object(target), eval_str=True).parameters.values()
     except (ValueError, TypeError, NameError, ImportError, AttributeError):
@@ -95,6 +106,8 @@ def derived(target: str, data: bool = False, hydra_keys: tuple[str, ...] = ()) -
         return None
     fields: list[Any] = [("_target_", str, MISSING), *((key, Any, MISSING) for key in hydra_keys)]
     for p in parameters:
+        if p.name in called_with:
+            continue
         default = MISSING if p.default is p.empty else p.default
         if isinstance(default, (list, dict)):  # a dataclass field's mutable default: a factory
             default = dataclasses.field(default_factory=functools.partial(type(default), default))

@@ -1,7 +1,8 @@
 """A run that builds on a finished run: its parent (a run dir, or a .pt file of weights). `Parent.open` finds the
 weights and the config, `state_dict` reads the weights, `build_model` rebuilds the parent's model with them (a
 teacher), `copy_into` keeps what a chained run needs of its parent in the chained run's own dir, and `load_into`
-starts a new model from the parent's weights (`model.init.*`: renamed or dropped prefixes, strict or not).
+starts a new model from the parent's weights (`model.init.*`: renamed or dropped prefixes, keys excluded by glob,
+strict or not; a tensor of another shape adapted by the model's own `adapt_init`, else refused).
 
 Every rank reads the same file itself (no rank 0 read and broadcast): the weights are loaded before wrapping,
 where a broadcast would need the process group's device tensors for every key and would differ between DDP
@@ -10,6 +11,7 @@ collective, so a missing file fails every rank alike before the first one, and t
 system all ranks see already (checkpoints, DCP). torch.load(weights_only=True): a parent may come from anyone.
 """
 
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -132,7 +134,7 @@ def _keys(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" ... ({len(keys)})" if len(keys) > 4 else "")
 
 
-INIT_KEYS = ("from", "weights", "strict", "map")
+INIT_KEYS = ("from", "weights", "strict", "map", "exclude")
 
 
 def check(init) -> None:
@@ -156,12 +158,17 @@ def check(init) -> None:
         raise ConfigError("model.init.map must be a mapping {prefix: new prefix, or null to drop}")
     if bad := [k for k, v in mapping.items() if v is not None and not isinstance(v, str)]:
         raise ConfigError(f"model.init.map.{bad[0]}={mapping[bad[0]]} must be a prefix or null (drop)")
+    exclude = init.get("exclude") or []
+    if not (OmegaConf.is_list(exclude) or isinstance(exclude, list)) or not all(isinstance(g, str) for g in exclude):
+        raise ConfigError("model.init.exclude must be a list of globs over the model's keys (e.g. [head.*])")
 
 
 def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent | None:
     """model.init: the parent's weights into `model` (built, not yet wrapped), or None when model.init.from is
-    null. Shapes must fit; strict: every key of the model loaded and every (mapped) key of the parent used,
-    else the keys left at their initialisation and those not used are said in one line each. No key at all
+    null. model.init.exclude: keys (globs, on both sides) left out: the model's keep their initialisation, said in
+    one line. Shapes must fit, or the model's `adapt_init(name, parent_tensor)` returns the tensor in its own shape
+    (None: it cannot; refused). Strict: every other key of the model loaded and every (mapped) key of the parent
+    used, else the keys left at their initialisation and those not used are said in one line each. No key at all
     loaded is refused either way (a wrong map)."""
     if init is None or init.get("from") is None:
         return None
@@ -171,9 +178,30 @@ def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent 
     state = remap(parent.state_dict(), {str(k): v for k, v in mapping.items()})
     own = model.state_dict()
     source = f"model.init.from={parent.run_dir or parent.weights_path}"
+    globs = [str(g) for g in init.get("exclude") or []]
+    if idle := [g for g in globs if not any(fnmatch.fnmatchcase(k, g) for k in [*own, *state])]:
+        raise ConfigError(f"model.init.exclude=[{', '.join(idle)}] matches no key of the model ({_keys(list(own))})")
+    excluded = [k for k in own if any(fnmatch.fnmatchcase(k, g) for g in globs)]
+    state = {k: v for k, v in state.items() if not any(fnmatch.fnmatchcase(k, g) for g in globs)}
+    adapted = []
     if shaped := [k for k in state if k in own and state[k].shape != own[k].shape]:
-        said = "; ".join(f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in shaped[:3])
-        raise ConfigError(f"{source}: other shape than the model's: {said}{' ...' if len(shaped) > 3 else ''}")
+        adapt = getattr(model, "adapt_init", None)
+        if adapt is None:
+            said = "; ".join(f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in shaped[:3])
+            raise ConfigError(
+                f"{source}: other shape than the model's: {said}{' ...' if len(shaped) > 3 else ''} "
+                f"(model.init.exclude keeps the model's own; {type(model).__name__} has no adapt_init)"
+            )
+        for k in shaped:
+            tensor = adapt(k, state[k])
+            if tensor is None or tensor.shape != own[k].shape:
+                raise ConfigError(
+                    f"{source}: {type(model).__name__}.adapt_init: {k} {list(state[k].shape)} does not fit "
+                    f"{list(own[k].shape)} (model.init.exclude=[{k}] keeps the model's own)"
+                )
+            adapted.append(f"{k} {list(state[k].shape)} -> {list(own[k].shape)}")
+            state[k] = tensor
+    own = {k: v for k, v in own.items() if k not in excluded}
     missing, unused = [k for k in own if k not in state], [k for k in state if k not in own]
     if len(missing) == len(own):
         raise ConfigError(f"{source}: no key of the model is in it (model.init.map renames prefixes: {mapping})")
@@ -184,7 +212,11 @@ def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent 
             "model.init.strict=false loads the keys that fit)"
         )
     model.load_state_dict(state, strict=False)
-    print0(f"model.init: {len(own) - len(missing)} of {len(own)} tensors from {parent.weights_path}")
+    print0(f"model.init: {len(own) - len(missing)} of {len(own) + len(excluded)} tensors from {parent.weights_path}")
+    if excluded:
+        print0(f"model.init: left at their initialisation (model.init.exclude): {_keys(excluded)}")
+    if adapted:
+        print0(f"model.init: adapted by {type(model).__name__}.adapt_init: {'; '.join(adapted)}")
     if missing:
         print0(f"model.init: left at their initialisation: {_keys(missing)}")
     if unused:

@@ -44,7 +44,8 @@ class Progress:
         self.row(row["loss"], row["lr"], row["samples_per_s"])
         terms = "".join(f" | {key} {value:.4f}" for key, value in row.items() if key.startswith("loss/"))
         self.print(
-            f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f}{terms} | lr {row['lr']:.2e} | "
+            f"step {step:>5}/{total_steps} | epoch {epoch} | loss {row['loss']:.4f}{terms} | "
+            f"lr {row['lr']:.2e}{groups_lr(row)} | "
             f"grad norm {row['grad_norm']:.3f} | {row['samples_per_s']:,.0f} samples/s"
             + (f" | {row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else "")
         )
@@ -80,3 +81,11 @@ def done_line(step: int, val: dict, selection, test: dict, wrote: list, shown: t
         summary += f", best {selection.monitor} {selection.best:.4f} at step {selection.best_step}"
     summary += f", {metrics_text(test, 'test', shown, ', ')}" if test else ""
     return f"done: {step} steps, {summary}; wrote {', '.join(map(str, wrote))}"
+
+
+def groups_lr(row: dict, shown: int = 3) -> str:
+    """The named groups' lrs beside `lr` (optim.groups, layer decay: lr/<name>), e.g. " (encoder 5.00e-03)"."""
+    named = [f"{key.removeprefix('lr/')} {value:.2e}" for key, value in row.items() if key.startswith("lr/")]
+    if not named:
+        return ""
+    return f" ({', '.join(named[:shown])}{', ...' if len(named) > shown else ''})"

@@ -136,9 +136,13 @@ class Train:
     parallel: Parallel = field(default_factory=Parallel)
     logger: Logger = field(default_factory=Logger)
     debug: Debug = field(default_factory=Debug)
+    # What an experiment builds on: {key naming a finished run: [overrides of a run that stands in for it]}, e.g.
+    # {task.teacher.from: [model=cnn]}. Read by no run; tests make such a run for every experiment (a fork's too).
+    parents: dict[str, list[str]] = field(default_factory=dict)
 
 
-# The options of optim and sched (the engine's groups). Required arguments: MISSING (the yaml sets them).
+# The options of optim (the engine's group; sched= is a room: trainkit/schedules/). Required arguments: MISSING
+# (the yaml sets them).
 
 
 @dataclass
@@ -174,30 +178,6 @@ class SGD:
 
 
 @dataclass
-class Constant:
-    _target_: str = MISSING
-    _partial_: bool = True
-    warmup_steps: int = 0
-
-
-@dataclass
-class WarmupCosine:
-    _target_: str = MISSING
-    _partial_: bool = True
-    warmup_steps: int = 0
-    min_ratio: float = 0.0
-
-
-@dataclass
-class OneCycle:
-    _target_: str = MISSING
-    _partial_: bool = True
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1.0e4
-
-
-@dataclass
 class Data:
     """The keys the engine reads from every data set (a data set's Schema subclasses it); `splits` builds its
     (train, val, test) datasets (a data set of one's own may return (train, val): it has no test split)."""
@@ -221,7 +201,6 @@ def register() -> None:
     store.store(name="train_schema", node=Train)
     options: dict[str, dict[str, type]] = {
         "optim": {"adamw": AdamW, "sgd": SGD},
-        "sched": {"constant": Constant, "cosine": WarmupCosine, "onecycle": OneCycle},
     }
     for group, nodes in options.items():
         for name, node in nodes.items():

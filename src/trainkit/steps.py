@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from trainkit import optim, schedules
+from trainkit import optim
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import unpacker
 from trainkit.coupled import CoupledWindows, couples
@@ -22,6 +22,7 @@ from trainkit.metrics import TrainMeter
 from trainkit.parallel import WRAP_SETTINGS, unwrap, wrap
 from trainkit.precision import autocast_for, use_tf32
 from trainkit.rng import seed_all
+from trainkit.syncbn import batchnorm_caveat
 
 
 @dataclass(kw_only=True)  # by keyword only: a new field cannot silently shift the others
@@ -74,9 +75,11 @@ def build(
     groups.freeze(unwrap(model))  # again, by name: SyncBN and FSDP2 made new Parameter objects
     if held := groups.hold_batchnorm(unwrap(model)):  # frozen BatchNorm keeps its running statistics
         d.print0(f"optim.groups: frozen BatchNorm in eval mode (optim.frozen_batchnorm=train: not): {', '.join(held)}")
+    if caveat := batchnorm_caveat(unwrap(model), d.world_size, auto.K):  # the one exception to W x K x b
+        d.print0(caveat)
     optimizer = optim.build(cfg.optim, unwrap(model), groups, d.device)  # by name: FSDP's shards, DDP's own
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules.multiplier(cfg.sched, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, total_steps))
     autocast = autocast_for(cfg.trainer.precision, d.device)
     use_tf32(cfg.trainer.tf32, d.device)  # fp32 matrix products on TF32 tensor cores (CUDA; default on)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")

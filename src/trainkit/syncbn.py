@@ -257,3 +257,27 @@ def _convert(module: nn.Module, group: ProcessGroup, skipped: set[str], name: st
         qualified = f"{name}.{child_name}" if name else child_name
         out.add_module(child_name, _convert(child, group, skipped, qualified))
     return out
+
+
+def batchnorm_caveat(model: nn.Module, world_size: int, steps: int) -> str | None:
+    """The line a run says once at start where its BatchNorm layers normalise by a part of the global batch: each
+    rank's micro-batch (world_size > 1 without SyncBN), each of the K micro-batches (steps > 1, SyncBN or not).
+    Everything else trains what one process trains with the global batch; these statistics do not (a cnn on 2
+    ranks ends 0.02-0.04 from one process, with parallel.sync_bn 1e-7). None where nothing differs: no BatchNorm
+    in training mode (a frozen one held in eval normalises by its running statistics), or one rank and K = 1."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if not layers:
+        return None
+    per_rank = world_size > 1 and not all(isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)) for _, m in layers)
+    apart = [f"each of the {world_size} ranks' micro-batch"] if per_rank else []
+    apart += [f"each of the {steps} micro-batches" + (" apart" if per_rank else "")] if steps > 1 else []
+    if not apart:
+        return None
+    names = [name for name, _ in layers]
+    return (
+        f"note: BatchNorm ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) normalises by the statistics of "
+        f"{', and '.join(apart)}, not of the global batch: this run trains close to, not exactly, what one process "
+        "trains with it"
+        + ("; parallel.sync_bn=true computes them over the ranks" if per_rank else "")
+        + ("; the micro-batches of a step stay apart (accumulation.steps=1 joins them)" if steps > 1 else "")
+    )

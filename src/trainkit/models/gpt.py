@@ -71,6 +71,14 @@ class GPT(nn.Module):
             return int(name.split(".")[1]) + 1
         return 0 if name.startswith(("wte.", "wpe.")) else len(self.blocks) + 1
 
+    def adapt_init(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """model.init from a parent of a shorter context (trainkit/parent.py): its position rows first, the rows
+        past them this model's own initialisation. Any other shape change: None (refused)."""
+        own = self.wpe.weight
+        if name != "wpe.weight" or tensor.shape[1:] != own.shape[1:] or len(tensor) > len(own):
+            return None
+        return torch.cat([tensor.to(own.dtype), own.detach()[len(tensor) :]])
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(positions))

@@ -3,6 +3,7 @@ API, continued by a resume (also from a checkpoint that names the run id the old
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from helpers import rows, run_in_process
 from trainkit import loggers
@@ -48,3 +49,12 @@ def test_mlflow_holds_the_rows_by_step_and_a_resume_continues_its_run(tmp_path, 
         assert _history(client, run.info.run_id, key) == want, key
     assert run.data.params["trainer.max_steps"] == "4" and run.data.tags["model/params"] == "26122"
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "summary.json"}
+
+
+def test_the_file_logger_s_rows_are_on_disk_after_each_log_call(tmp_path):
+    """A run killed mid-way (SIGKILL, a lost node) keeps every row logged before: each log() reaches the file."""
+    logger = loggers.FileLogger(tmp_path, OmegaConf.create({}), resume_step=None)
+    for step in (1, 2):
+        logger.log({"step": step, "loss": 0.5})
+        assert rows(tmp_path) == [{"step": s, "loss": 0.5} for s in range(1, step + 1)]  # read by another handle
+    logger.close(failed=False)

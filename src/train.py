@@ -266,9 +266,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if due.save or best_now:
                         done = window + 1 == steps_per_epoch
                         at = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = checkpoint.state_of(
-                            parts, at, identity, settings, logger.run_id, selection, val_batches
-                        )
+                        state = checkpoint.state_of(parts, at, identity, settings, logger.run, selection, val_batches)
                         if due.save:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it

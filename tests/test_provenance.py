@@ -1,6 +1,7 @@
 """provenance.json (trainkit/provenance.py) of a tree with uncommitted changes, and of none: the end-to-end
 chain of 2 runs and the run without git are in tests/test_distil.py."""
 
+import hashlib
 import json
 import subprocess
 
@@ -32,3 +33,28 @@ def test_a_dirty_tree_records_its_commit_and_the_diff_of_its_tracked_files(tmp_p
 def test_outside_a_repository_the_record_says_so(tmp_path):
     state, diff = provenance.git_state(tmp_path)
     assert state["commit"] is None and "not a git repository" in state["why"] and diff == ""
+
+
+def test_untracked_files_under_src_and_conf_make_the_tree_dirty_and_are_listed_with_their_content(tmp_path):
+    """A fork's new model (docs/forking.md's "Making it yours": src/trainkit/models/mine.py, conf/model/mine.yaml) is
+    code the run uses that git does not track yet: the record lists it (its hash) and the diff holds it."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "src" / "tracked.py").write_text("a = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    (repo / "src" / "trainkit" / "models").mkdir(parents=True)
+    (repo / "src" / "trainkit" / "models" / "mine.py").write_text("def mine():\n    return 2\n")
+    (repo / "conf" / "model").mkdir(parents=True)
+    (repo / "conf" / "model" / "mine.yaml").write_text("_target_: trainkit.models.mine.mine\n")
+    (repo / "notes.txt").write_text("not the run's code\n")  # outside src/ and conf/: not the run's
+    state, diff = provenance.git_state(repo)
+    assert state["dirty"] and set(state["untracked"]) == {"src/trainkit/models/mine.py", "conf/model/mine.yaml"}
+    assert (
+        state["untracked"]["conf/model/mine.yaml"]
+        == hashlib.sha256(b"_target_: trainkit.models.mine.mine\n").hexdigest()
+    )
+    assert "+++ b/src/trainkit/models/mine.py" in diff and "+    return 2" in diff and "notes" not in diff
+    assert state["diff_sha256"] == hashlib.sha256(diff.encode()).hexdigest()

@@ -199,7 +199,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             chained.copy_into(run_dir / "parent")
         teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
         # provenance.json: commit, diff, versions, command, world size, the parents' own records
-        provenance.write(run_dir, cfg, d.world_size, resumed["progress"]["step"] if resumed else None)
+        # (a resume: its step and checkpoint; from another run's checkpoint, that run's record)
+        provenance.write(
+            run_dir, cfg, d.world_size, *((resumed["progress"]["step"], resumed["path"]) if resumed else ())
+        )
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*

@@ -5,6 +5,9 @@ import hashlib
 import json
 import subprocess
 
+import pytest
+
+from helpers import run_in_process
 from trainkit import provenance
 
 
@@ -58,3 +61,33 @@ def test_untracked_files_under_src_and_conf_make_the_tree_dirty_and_are_listed_w
     )
     assert "+++ b/src/trainkit/models/mine.py" in diff and "+    return 2" in diff and "notes" not in diff
     assert state["diff_sha256"] == hashlib.sha256(diff.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """A run of 2 steps, a run resumed in a new dir from its checkpoint, and predict.py and eval.py of that run."""
+    root = tmp_path_factory.mktemp("chain")
+    short = ("trainer.eval_every=100", "trainer.log_every=1", "model.width=16")
+    run_in_process(root / "first", *short, "trainer.max_steps=2", "checkpoint.every=2")
+    source = root / "first" / "checkpoints" / "step_00000002.pt"
+    run_in_process(root / "second", *short, "trainer.max_steps=3", f"checkpoint.resume={source}")
+    run_in_process(root / "predict", f"run_dir={root / 'second'}", script="predict")
+    run_in_process(root / "eval", f"run_dir={root / 'second'}", script="eval")
+    return root, source
+
+
+def test_a_resume_from_another_run_s_checkpoint_records_its_source_and_step(chain):
+    root, source = chain
+    record = provenance.read(root / "second")
+    assert record["resumed_from"]["checkpoint"] == str(source) and record["resumed_from"]["step"] == 2
+    assert record["resumed_from"]["run_dir"] == str(root / "first")
+    assert record["resumed_from"]["provenance"] == provenance.read(root / "first")  # the chain, traceable
+
+
+@pytest.mark.parametrize("script", ["predict", "eval"])
+def test_predict_and_eval_write_their_provenance_with_the_run_they_read(chain, script):
+    root, _ = chain
+    record = provenance.read(root / script)
+    assert record is not None and record["world_size"] == 1 and "commit" in record["git"]
+    assert record["parents"]["run_dir"]["run_dir"] == str(root / "second")
+    assert record["parents"]["run_dir"]["provenance"] == provenance.read(root / "second")

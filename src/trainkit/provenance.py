@@ -31,7 +31,8 @@ except ModuleNotFoundError:  # 3.10: the installed package's metadata names the 
 
 FILE = "provenance.json"
 DIFF = "provenance.diff"
-PARENT_KEYS = ("model.init.from", "task.teacher.from")  # the keys that name a run this one builds on
+# the keys that name a run this one builds on; run_dir: the training run predict.py and eval.py read
+PARENT_KEYS = ("model.init.from", "task.teacher.from", "run_dir")
 ROOT = Path(__file__).resolve().parents[2]  # the source tree: src/trainkit/provenance.py -> its repository
 UNTRACKED_IN = ("src", "conf")  # where an untracked file is the run's code (a fork's new option), not a stray note
 
@@ -149,14 +150,25 @@ def _start(world_size: int, diff_name: str) -> tuple[dict, str]:
     return entry, diff
 
 
-def write(run_dir: Path, cfg: DictConfig, world_size: int, resumed_step: int | None = None) -> dict:
-    """Rank 0, before training: a fresh run's record, or the resumed run's record with this start appended."""
+def write(
+    run_dir: Path, cfg: DictConfig, world_size: int, resumed_step: int | None = None, checkpoint: str | None = None
+) -> dict:
+    """Rank 0, before training (predict.py, eval.py: before writing): a fresh run's record, or the resumed run's
+    record with this start appended (its step and checkpoint). A run resumed in a new dir from another run's
+    checkpoint records where it came from (`resumed_from`: the checkpoint, its step, its run dir and that dir's
+    record)."""
     earlier = read(run_dir) if resumed_step is not None else None
     entry, diff = _start(world_size, DIFF if earlier is None else f"provenance.step_{resumed_step}.diff")
     if earlier is not None:
-        record = earlier | {"resumes": [*earlier.get("resumes", []), {"step": resumed_step, **entry}]}
+        resume = {"step": resumed_step, "checkpoint": checkpoint, **entry}
+        record = earlier | {"resumes": [*earlier.get("resumes", []), resume]}
     else:
         record = entry | {"versions": versions(), "parents": parents(cfg)}
+    if earlier is None and resumed_step is not None:
+        source = Path(str(checkpoint)).resolve().parent  # checkpoints/step_N.pt (FSDP: checkpoints/step_N/)
+        source = source.parent if source.name == "checkpoints" else source
+        found = {"checkpoint": checkpoint, "step": resumed_step, "run_dir": str(source), "provenance": read(source)}
+        record["resumed_from"] = found
     if diff:
         _atomic(Path(run_dir) / entry["git"]["diff"], diff)
     _atomic(Path(run_dir) / FILE, json.dumps(record, indent=1) + "\n")

@@ -9,7 +9,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, heldout
+from trainkit import config, heldout, provenance
 from trainkit.checkpoint import load_model, save_whole
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -46,7 +46,7 @@ def write_predictions(
     then the `done:` line of the metrics' numbers."""
     wrote = [name for name, what in (("predictions.csv", rows), ("embeddings.pt", embedded)) if what]
     if d.is_main:
-        config.save(cfg, out_dir)
+        save_job(cfg, out_dir, d)
         if rows:
             with open(out_dir / "predictions.csv", "w") as f:
                 f.writelines(",".join(map(str, row)) + "\n" for row in rows)
@@ -60,6 +60,13 @@ def write_predictions(
         f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / wrote[0]}"
         f"{''.join(f', {name}' for name in wrote[1:])} and metrics.json"
     )
+
+
+def save_job(cfg: DictConfig, out_dir: Path, d: Dist) -> None:
+    """Rank 0: a predict or eval job's config (.hydra/) and provenance.json (its code, command and world size, and
+    the run it read, run_dir, with that run's own record)."""
+    config.save(cfg, out_dir)
+    provenance.write(out_dir, cfg, d.world_size)
 
 
 def weights_path(run_dir: Path, weights: str) -> Path:

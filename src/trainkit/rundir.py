@@ -4,6 +4,7 @@ Shared here because no entry point imports another."""
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from hydra.utils import instantiate
@@ -108,6 +109,38 @@ def say_predicting(cfg: DictConfig, weights: Path, samples: int, batch_size: int
     )
 
 
+WORLD_SIZE = "${world_size:}"  # the resolver of this job's world size (trainkit/config.py)
+
+
+def run_batch_size(cfg: DictConfig, run_cfg: DictConfig, d: Dist) -> Any:
+    """The run's data.batch_size, as its run resolved it: a value that follows the world size (an experiment's
+    ${micro_batch:global,K,${world_size:}}) resolves at the run's own world size (its provenance.json's newest start;
+    none: 1), not at this job's, which need not divide the global batch; said once. Else one line naming batch_size=."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    raw = OmegaConf.to_container(run_cfg.data, resolve=False).get("batch_size")  # type: ignore[union-attr]
+    world_size, merged = d.world_size, run_cfg
+    if isinstance(raw, str) and WORLD_SIZE in raw:
+        record = provenance.read(Path(cfg.run_dir)) or {}
+        world_size = int(([record, *record.get("resumes", [])][-1]).get("world_size") or 1)
+        node = OmegaConf.create({"data": {"batch_size": raw.replace(WORLD_SIZE, str(world_size))}})
+        merged = cast(DictConfig, OmegaConf.merge(run_cfg, node))  # the run's other keys (global batch, K) as is
+    try:
+        batch_size = merged.data.batch_size
+    except InterpolationResolutionError as error:
+        why = str(error.__cause__ or error).splitlines()[0]
+        raise ConfigError(
+            f"run_dir={cfg.run_dir}: its data.batch_size ({raw}) does not resolve at its world size {world_size} "
+            f"({why}); set batch_size=<samples per rank>"
+        ) from None
+    if world_size != d.world_size:
+        d.print0(
+            f"data.batch_size resolves at the run's own world size {world_size}: batch {batch_size} per rank "
+            f"(not at this job's {d.world_size}; batch_size= sets another)"
+        )
+    return batch_size
+
+
 def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> tuple:
     """(the split's data set, its EvalBatches, the batch size per rank): cfg.split of the run's data,
     each rank a contiguous shard (every sample once, rank order is dataset order), at cfg.batch_size
@@ -120,7 +153,7 @@ def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> t
         raise ConfigError(f"split=test: data={run_cfg.data.name} of {cfg.run_dir} has no test split ({why})")
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {cfg.run_dir} holds no samples")
-    batch_size = cfg.batch_size or run_cfg.data.batch_size
+    batch_size = cfg.batch_size or run_batch_size(cfg, run_cfg, d)
     auto = batch_size == "auto"
     if auto:
         batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)

@@ -26,7 +26,7 @@ from trainkit.evaluate import evaluate
 from trainkit.parent import model_node
 from trainkit.precision import autocast_for
 from trainkit.progress import headline
-from trainkit.rundir import load_run_config, load_weights, split_batches, weights_path
+from trainkit.rundir import load_run_config, load_weights, save_job, split_batches, weights_path
 
 
 def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
@@ -49,7 +49,7 @@ def eval_run(cfg: DictConfig, out_dir: Path) -> dict[str, float]:
     metrics = evaluate(model.to(d.device), batches, d, autocast_for(precision, d.device), task, prefix=cfg.split)
     batches.check()
     if d.is_main:
-        config.save(cfg, out_dir)
+        save_job(cfg, out_dir, d)
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     d.print0(json.dumps(metrics))
     d.print0(f"done: {heldout.line(metrics, cfg.split, headline(task))}; wrote {out_dir / 'metrics.json'}")

@@ -200,7 +200,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             chained.copy_into(run_dir / "parent")
         teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
         # provenance.json: commit, diff, versions, command, world size, the parents' own records
-        provenance.write(run_dir, cfg, d.world_size, resumed["progress"]["step"] if resumed else None)
+        # (a resume: its step and checkpoint; from another run's checkpoint, that run's record)
+        provenance.write(
+            run_dir, cfg, d.world_size, *((resumed["progress"]["step"], resumed["path"]) if resumed else ())
+        )
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*
@@ -267,9 +270,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if due.save or best_now:
                         done = window + 1 == steps_per_epoch
                         at = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = checkpoint.state_of(
-                            parts, at, identity, settings, logger.run_id, selection, val_batches
-                        )
+                        state = checkpoint.state_of(parts, at, identity, settings, logger.run, selection, val_batches)
                         if due.save:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it

@@ -217,3 +217,38 @@ def test_explicit_single_under_torchrun_is_refused_in_one_line_from_rank_0(tmp_p
     assert codes == [2, 2]
     err = capfd.readouterr().err
     assert err.count("error: parallel=single with world size 2 would train 2 independent replicas") == 1, err
+
+
+NULL_GROUPS = [  # (overrides, the line): a group set to null, a search space unquoted inside a dict (issue 54, 6)
+    (
+        ["logger=null"],
+        "logger=null: a config group takes one of its options' names ({logger}); logger=none turns it off",
+    ),
+    (
+        ["hparams_search=digits_optuna", "hydra/sweeper/pruner=null"],
+        "hydra/sweeper/pruner=null: a config group takes one of its options' names ({hydra/sweeper/pruner}); "
+        "hydra.sweeper.pruner=null turns it off",
+    ),
+    (["model=null"], "model=null: a config group takes one of its options' names ({model})"),
+    (
+        ["hparams_search=digits_optuna", "hydra.sweeper.params={model.width:choice(32,64)}"],
+        "hydra.sweeper.params={model.width:choice(32,64)}: choice(...) inside a dict is no value; quote it "
+        "('hydra.sweeper.params={model.width:\"choice(32,64)\"}') or give it as its own override "
+        "(-m model.width=choice(32,64))",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", NULL_GROUPS, ids=[" ".join(o) for o, _ in NULL_GROUPS])
+def test_a_group_set_to_null_or_a_sweep_in_a_dict_is_one_line_naming_the_right_form(
+    tmp_path, capsys, monkeypatch, overrides, message
+):
+    status = cli_in_process(overrides, tmp_path / "run", monkeypatch)
+    out, err = capsys.readouterr()
+    assert status == 2, err
+    for group in re.findall(r"\(\{([\w/]+)\}\)", message):  # conf/<group>'s options, a fork's own among them
+        message = message.replace(
+            f"{{{group}}}", ", ".join(sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml")))
+        )
+    assert err.strip().splitlines() == [f"error: {message}"] and "Traceback" not in out + err
+    assert not (tmp_path / "run").exists()

@@ -233,3 +233,17 @@ def test_predict_writes_a_contrastive_run_s_embeddings_index_aligned_on_1_and_2_
     assert one["split"] == "val" and one["index"].tolist() == list(range(359)) and one["label"].equal(labels)
     assert one["embedding"].shape[0] == 359 and torch.allclose(one["embedding"], two["embedding"], atol=1e-6)
     assert two["index"].equal(one["index"]) and two["label"].equal(labels)
+
+
+def test_predict_and_eval_on_a_world_size_that_does_not_divide_the_run_s_global_batch(tmp_path):
+    """+experiment=digits_simclr's data.batch_size is ${micro_batch:256,K,${world_size:}}: on 3 ranks it resolved at
+    3 and failed (issue 54, 3). Resolved at the run's own world size instead (its provenance.json; none: 1), said."""
+    from helpers import make_parent
+
+    run_dir = make_parent(tmp_path / "simclr", "+experiment=digits_simclr")
+    out = run_in_process(tmp_path / "predict3", f"run_dir={run_dir}", script="predict", nproc=3)
+    assert out.count("data.batch_size resolves at the run's own world size 1: batch 256 per rank") == 1
+    embedded = torch.load(tmp_path / "predict3" / "embeddings.pt", weights_only=True)
+    assert embedded["index"].tolist() == list(range(359)) and embedded["embedding"].shape[0] == 359
+    run_in_process(tmp_path / "eval3", f"run_dir={run_dir}", script="eval", nproc=3)
+    assert 0 <= json.loads((tmp_path / "eval3" / "metrics.json").read_text())["test/knn_acc"] <= 1

@@ -1,8 +1,11 @@
 """trainkit/loggers.py: a backend is one class and one yaml; logger=mlflow's run read back through MLflow's own
 API, continued by a resume (also from a checkpoint that names the run id the old way, wandb_run_id)."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from helpers import rows, run_in_process
 from trainkit import loggers
@@ -22,7 +25,8 @@ def _history(client, run_id: str, key: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_mlflow_holds_the_rows_by_step_and_a_resume_continues_its_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the logger sets: MLflow 3's file store
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # not the project's outputs/mlflow.db
     from mlflow.tracking import MlflowClient
 
     overrides = ["logger=mlflow", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=2"]
@@ -34,10 +38,11 @@ def test_mlflow_holds_the_rows_by_step_and_a_resume_continues_its_run(tmp_path, 
     path = tmp_path / "checkpoints" / "step_00000002.pt"
     state = torch.load(path, weights_only=True)
     state["wandb_run_id"] = state.pop("logger_run_id")
+    assert state.pop("logger_store") == {"backend": "mlflow", "store": store}  # nor the store, kept since
     torch.save(state, path)
     run_in_process(tmp_path, *overrides, "checkpoint.every=2")
 
-    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("trainkit").experiment_id])  # one run, continued
     assert run.info.run_id == state["wandb_run_id"] and run.info.status == "FINISHED"
     logged = rows(tmp_path, test=True)
@@ -48,3 +53,84 @@ def test_mlflow_holds_the_rows_by_step_and_a_resume_continues_its_run(tmp_path, 
         assert _history(client, run.info.run_id, key) == want, key
     assert run.data.params["trainer.max_steps"] == "4" and run.data.tags["model/params"] == "26122"
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "summary.json"}
+
+
+def test_the_file_logger_s_rows_are_on_disk_after_each_log_call(tmp_path):
+    """A run killed mid-way (SIGKILL, a lost node) keeps every row logged before: each log() reaches the file."""
+    logger = loggers.FileLogger(tmp_path, OmegaConf.create({}), resume_step=None)
+    for step in (1, 2):
+        logger.log({"step": step, "loss": 0.5})
+        assert rows(tmp_path) == [{"step": s, "loss": 0.5} for s in range(1, step + 1)]  # read by another handle
+    logger.close(failed=False)
+
+
+# --- logger=mlflow: one store for the project (a sqlite database), a resume continues only its own store's run ----
+
+
+def _mlflow_jobs(rank: int, world_size: int, run_dirs: list[str], store: str) -> str:
+    """Two sweep jobs at once (forked processes): each opens the store (the first creates it) and logs 20 rows."""
+    import os
+
+    os.environ["MLFLOW_TRACKING_URI"] = store
+    from helpers import compose_cfg
+
+    cfg = compose_cfg("logger=mlflow")
+    with loggers.Loggers(Path(run_dirs[rank]), cfg, None, None) as logger:
+        for step in range(1, 21):
+            logger.log({"step": step, "loss": float(rank + step)})
+        assert logger.run is not None
+        return logger.run["id"]
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """A sqlite store that two jobs created and wrote at once: (its URL, the two jobs' run dirs and run ids)."""
+    from helpers import run_distributed
+
+    root = tmp_path_factory.mktemp("mlflow")
+    store = f"sqlite:///{root / 'outputs' / 'mlflow.db'}"
+    run_dirs = [str(root / f"job{rank}") for rank in (0, 1)]
+    for run_dir in run_dirs:
+        Path(run_dir).mkdir()
+    return store, run_dirs, run_distributed(_mlflow_jobs, 2, run_dirs, store, group=False)
+
+
+def test_mlflow_s_store_is_one_sqlite_database_two_jobs_write_at_once_and_mlflow_reads_without_switches(
+    mlflow_store, monkeypatch
+):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # what a user's own process has: no switch
+    from mlflow.tracking import MlflowClient
+
+    store, run_dirs, run_ids = mlflow_store
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("trainkit")
+    assert {run.info.run_id for run in client.search_runs([experiment.experiment_id])} == set(run_ids)
+    for rank, run_id in enumerate(run_ids):
+        assert _history(client, run_id, "loss") == {step: float(rank + step) for step in range(1, 21)}
+        assert not (Path(run_dirs[rank]) / "mlruns").exists()  # nothing in the run dir but metrics.jsonl
+    assert experiment.artifact_location.startswith(Path(store.removeprefix("sqlite:///")).parent.as_uri())
+    assert loggers.mlflow_store(Path("/x")).startswith("sqlite:////")  # the default: an absolute path
+
+
+def test_a_resume_continues_its_mlflow_run_in_the_same_store_and_starts_a_new_one_elsewhere(
+    mlflow_store, monkeypatch, tmp_path, capsys
+):
+    from helpers import compose_cfg
+
+    store, _, (run_id, _) = mlflow_store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    cfg = compose_cfg("logger=mlflow")
+    same = {"logger_run_id": run_id, "logger_store": {"backend": "mlflow", "store": store}, "progress": {"step": 20}}
+    elsewhere = same | {"logger_store": {"backend": "mlflow", "store": "sqlite:////elsewhere/mlflow.db"}}
+    wandb = same | {"logger_run_id": "1a2b3c4d", "logger_store": {"backend": "wandb", "store": "me/trainkit"}}
+    unknown = {"logger_run_id": "0" * 32, "progress": {"step": 20}}  # a checkpoint from before the store was kept
+    for resume, continued in ((same, True), (elsewhere, False), (wandb, False), (unknown, False)):
+        with loggers.make_logger(tmp_path, cfg, True, resume) as logger:
+            assert logger.run is not None and (logger.run["id"] == resume["logger_run_id"]) is continued
+            assert logger.run["store"] == store
+        said = capsys.readouterr().out.strip().splitlines()
+        if continued:
+            assert said == []
+        else:
+            assert len(said) == 1 and said[0].startswith(f"logger: the checkpoint's run {resume['logger_run_id']} ")
+            assert said[0].endswith(f"a new mlflow run in {store}")

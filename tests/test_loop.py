@@ -234,11 +234,11 @@ def test_data_wait_is_the_share_of_training_time_spent_waiting_on_the_loader(tmp
 class _Signals:
     """A Stopper's face to the cadence: a signal arrives after step `at`, and due() names it from then on."""
 
-    def __init__(self, at: int | None = None):
-        self.at, self.received, self.step = at, 0, 0
+    def __init__(self, at: int | None = None, agreed: int | None = None):
+        self.at, self.agreed, self.received, self.step = at, agreed or at, 0, 0
 
     def due(self, last: bool = False) -> str | None:
-        return "SIGTERM" if self.received else None
+        return "SIGTERM" if self.received and (self.agreed is None or self.step >= self.agreed) else None
 
 
 def test_the_cadence_decides_once_per_step_what_comes_after_it():
@@ -251,7 +251,7 @@ def test_the_cadence_decides_once_per_step_what_comes_after_it():
     def decisions(cadence, signals, steps):
         out = {}
         for step in range(1, steps + 1):
-            signals.received = signals.received or int(signals.at == step)
+            signals.received, signals.step = signals.received or int(signals.at == step), step
             if (due := cadence.after(step)) is not None:
                 out[step] = "".join(k for k, on in (("l", due.log), ("e", due.evaluate), ("s", due.save)) if on)
                 out[step] += "!" if due.stop else ""
@@ -273,6 +273,19 @@ def test_the_cadence_decides_once_per_step_what_comes_after_it():
     assert decisions(Cadence(5, 3, 0, 0, quiet, each_step=True), quiet, 5) == {1: "", 2: "", 3: "l", 4: "", 5: "ls"}
     signalled = _Signals(at=5)  # arrives in step 5, between two events: saved and stopped at step 5
     assert decisions(Cadence(20, 10, 0, 0, signalled), signalled, 6) == {5: "s!", 6: "s!"}
+    on_a_save = _Signals(at=8)  # arrives in step 8, whose log, evaluation and save were due anyway: all of them
+    assert decisions(Cadence(20, 4, 4, 8, on_a_save), on_a_save, 8) == {4: "le", 8: "les!"}
+    # The ranks agree on a signal a few steps after it arrived (Stopper's checks): the steps in between are looked
+    # at every step, and a save due on one of them still happens (not only the stop's, later)
+    agreed_later = _Signals(at=7, agreed=9)
+    assert decisions(Cadence(20, 3, 4, 8, agreed_later), agreed_later, 9) == {
+        3: "l",
+        4: "e",
+        6: "l",
+        7: "",
+        8: "es",
+        9: "ls!",
+    }
 
 
 def test_the_meter_keeps_no_autograd_graph():

@@ -1,9 +1,13 @@
 """provenance.json (trainkit/provenance.py) of a tree with uncommitted changes, and of none: the end-to-end
 chain of 2 runs and the run without git are in tests/test_distil.py."""
 
+import hashlib
 import json
 import subprocess
 
+import pytest
+
+from helpers import run_in_process
 from trainkit import provenance
 
 
@@ -32,3 +36,58 @@ def test_a_dirty_tree_records_its_commit_and_the_diff_of_its_tracked_files(tmp_p
 def test_outside_a_repository_the_record_says_so(tmp_path):
     state, diff = provenance.git_state(tmp_path)
     assert state["commit"] is None and "not a git repository" in state["why"] and diff == ""
+
+
+def test_untracked_files_under_src_and_conf_make_the_tree_dirty_and_are_listed_with_their_content(tmp_path):
+    """A fork's new model (docs/forking.md's "Making it yours": src/trainkit/models/mine.py, conf/model/mine.yaml) is
+    code the run uses that git does not track yet: the record lists it (its hash) and the diff holds it."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (repo / "src" / "tracked.py").write_text("a = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    (repo / "src" / "trainkit" / "models").mkdir(parents=True)
+    (repo / "src" / "trainkit" / "models" / "mine.py").write_text("def mine():\n    return 2\n")
+    (repo / "conf" / "model").mkdir(parents=True)
+    (repo / "conf" / "model" / "mine.yaml").write_text("_target_: trainkit.models.mine.mine\n")
+    (repo / "notes.txt").write_text("not the run's code\n")  # outside src/ and conf/: not the run's
+    state, diff = provenance.git_state(repo)
+    assert state["dirty"] and set(state["untracked"]) == {"src/trainkit/models/mine.py", "conf/model/mine.yaml"}
+    assert (
+        state["untracked"]["conf/model/mine.yaml"]
+        == hashlib.sha256(b"_target_: trainkit.models.mine.mine\n").hexdigest()
+    )
+    assert "+++ b/src/trainkit/models/mine.py" in diff and "+    return 2" in diff and "notes" not in diff
+    assert state["diff_sha256"] == hashlib.sha256(diff.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """A run of 2 steps, a run resumed in a new dir from its checkpoint, and predict.py and eval.py of that run."""
+    root = tmp_path_factory.mktemp("chain")
+    short = ("trainer.eval_every=100", "trainer.log_every=1", "model.width=16")
+    run_in_process(root / "first", *short, "trainer.max_steps=2", "checkpoint.every=2")
+    source = root / "first" / "checkpoints" / "step_00000002.pt"
+    run_in_process(root / "second", *short, "trainer.max_steps=3", f"checkpoint.resume={source}")
+    run_in_process(root / "predict", f"run_dir={root / 'second'}", script="predict")
+    run_in_process(root / "eval", f"run_dir={root / 'second'}", script="eval")
+    return root, source
+
+
+def test_a_resume_from_another_run_s_checkpoint_records_its_source_and_step(chain):
+    root, source = chain
+    record = provenance.read(root / "second")
+    assert record["resumed_from"]["checkpoint"] == str(source) and record["resumed_from"]["step"] == 2
+    assert record["resumed_from"]["run_dir"] == str(root / "first")
+    assert record["resumed_from"]["provenance"] == provenance.read(root / "first")  # the chain, traceable
+
+
+@pytest.mark.parametrize("script", ["predict", "eval"])
+def test_predict_and_eval_write_their_provenance_with_the_run_they_read(chain, script):
+    root, _ = chain
+    record = provenance.read(root / script)
+    assert record is not None and record["world_size"] == 1 and "commit" in record["git"]
+    assert record["parents"]["run_dir"]["run_dir"] == str(root / "second")
+    assert record["parents"]["run_dir"]["provenance"] == provenance.read(root / "second")

@@ -566,3 +566,82 @@ def test_a_sampler_or_pruner_chosen_on_the_command_line_replaces_the_overlay_s_w
         sweeper.Study(sampler=functools.partial(optuna.samplers.RandomSampler)).setup(
             hydra_context=None, task_function=None, config=None
         )
+
+
+# --- the sweeper's own decisions, in this process: a launcher that trains nothing stands in for the jobs ---------
+
+
+class FakeLauncher:
+    """Hydra's launcher as the sweeper sees it: launch(batch, initial_job_idx) -> one JobReturn a job. `jobs` says
+    what each job does, in order: a number (its objective), "pruned" (the job's pruner stopped it: the trial's
+    pruned_at, as pruning.Trial writes it), or "sigterm" (stopped by a signal after writing its checkpoint)."""
+
+    def __init__(self, sweep: Path, storage: str, jobs: list):
+        self.sweep, self.storage, self.jobs, self.launched = sweep, storage, list(jobs), []
+
+    def launch(self, batch, initial_job_idx):
+        returns = []
+        for number, overrides in enumerate(batch, start=initial_job_idx):
+            self.launched.append((number, list(overrides)))
+            (self.sweep / str(number) / "checkpoints").mkdir(parents=True, exist_ok=True)
+            checkpoint = self.sweep / str(number) / "checkpoints" / "step_00000005.pt"
+            job = self.jobs.pop(0)
+            if job == "sigterm":
+                checkpoint.write_bytes(b"the step's checkpoint")  # written before the job exits
+                raise SystemExit(128 + signal.SIGTERM)
+            if job == "pruned":
+                storage = studies.storage(self.storage)
+                study_id = storage.get_study_id_from_name("s")
+                trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+                storage.set_trial_user_attr(trial_id, "pruned_at", 5)
+                job = 0.25  # a pruned job returns its run's best value, as an early stop does
+            returns.append(JobReturn(status=JobStatus.COMPLETED, _return_value=job))
+        return returns
+
+
+def fake_study(sweep: Path, jobs: list, n_trials: int) -> tuple[sweeper.Study, FakeLauncher]:
+    """A command of study "s" in `sweep` (sqlite), its jobs played by FakeLauncher; the space is not composed."""
+    storage = f"sqlite:///{sweep / 'study.db'}"
+    study = sweeper.Study(
+        sampler=optuna.samplers.RandomSampler(seed=0), storage=storage, study_name="s", n_trials=n_trials,
+        heartbeat_interval=None,
+    )  # fmt: skip
+    config = compose_cfg(f"hydra.sweep.dir={sweep}", "trainer.max_steps=5", with_hydra=True)
+    study.config, study.sweep_dir, study.leader, study.lockstep = config, sweep, True, None
+    study.objective_key, study.direction = study._direction(config)
+    study._check_space = lambda space, fixed: None  # type: ignore[method-assign]  # composing: tested above
+    study.launcher = FakeLauncher(sweep, storage, jobs)  # type: ignore[assignment]
+    return study, study.launcher
+
+
+def test_a_trial_a_signal_stopped_keeps_its_checkpoint_and_the_next_command_finishes_it_there(tmp_path):
+    """The cheap twin of the SIGTERM case of the slow test above: the interrupted trial stays RUNNING, marked, its
+    dir and checkpoint kept; the next command first runs it again as job N in that dir (train.py resumes from the
+    checkpoint there) with its own overrides, then asks new trials."""
+    sweep = tmp_path / "sweep"
+    first, launched = fake_study(sweep, ["sigterm"], n_trials=1)
+    with pytest.raises(SystemExit):
+        first.sweep(["optim.lr=choice(0.05,0.1)"])
+    (interrupted,) = trials(sweep, study="s")
+    assert (
+        interrupted.state == TrialState.RUNNING and interrupted.user_attrs["interrupted"] == "stopped at its checkpoint"
+    )
+    assert (sweep / "0" / "checkpoints" / "step_00000005.pt").read_bytes() == b"the step's checkpoint"
+    second, relaunched = fake_study(sweep, [0.5, 0.75], n_trials=1)
+    second.sweep(["optim.lr=choice(0.05,0.1)"])
+    assert relaunched.launched[0] == launched.launched[0]  # job 0 again: trial 0's dir, its overrides, no other
+    assert (sweep / "0" / "checkpoints" / "step_00000005.pt").is_file()
+    finished, new = trials(sweep, study="s")
+    assert (finished.state, finished.value, finished.params) == (TrialState.COMPLETE, 0.5, interrupted.params)
+    assert new.number == 1 and relaunched.launched[1][0] == 1 and new.state == TrialState.COMPLETE
+
+
+def test_a_study_whose_trials_were_all_pruned_ends_with_its_line_in_this_process(tmp_path, capsys):
+    """The cheap twin of the grid's slow test: every trial pruned is a study that did what it was asked."""
+    sweep = tmp_path / "sweep"
+    study, _ = fake_study(sweep, ["pruned", "pruned"], n_trials=2)
+    study.sweep(["optim.lr=choice(0.05,0.1)"])  # returns: exit 0
+    assert [t.state for t in trials(sweep, study="s")] == [TrialState.PRUNED] * 2
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "study s: 2 trials (0 failed, 2 pruned), 2 in all; no trial completed: every trial was pruned, no best trial"
+    )

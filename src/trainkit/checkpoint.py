@@ -471,7 +471,7 @@ def snapshot(
     progress: dict,
     identity: dict,
     settings: dict,
-    logger_run_id: str | None,
+    logger_run: dict | None,
     d: Dist,
 ) -> dict:
     """Everything an uninterrupted run would still have in memory. `model` is the unwrapped
@@ -494,19 +494,21 @@ def snapshot(
         "progress": dict(progress),
         "identity": identity,
         "settings": settings,
-        "logger_run_id": logger_run_id,  # the logger backend's run, continued by a resume (trainkit/loggers.py)
+        # the logger backend's run, continued by a resume in the same backend and store (trainkit/loggers.py)
+        "logger_run_id": logger_run["id"] if logger_run else None,
+        "logger_store": {k: logger_run[k] for k in ("backend", "store")} if logger_run else None,
         "ranks": {"rng": rng_state(d.device), "meter": meter.state_dict()},
     }
 
 
 def state_of(
-    s, progress: dict, identity: dict, settings: dict, logger_run_id: str | None, selection, val_batches
+    s, progress: dict, identity: dict, settings: dict, logger_run: dict | None, selection, val_batches
 ) -> dict:
     """What a checkpoint of the run holds, the counterpart of resume() (which loads each entry back): the step's
     objects (s: train.py's StepParts), the run's progress, and the state that grows with training: the best
     evaluation and early stopping (selection), the EMA, the micro-batches data.batch_size=auto found."""
     model, optimizer, scheduler, scaler, meter = s.stateful
-    held = snapshot(model, optimizer, scheduler, scaler, meter, progress, identity, settings, logger_run_id, s.d)
+    held = snapshot(model, optimizer, scheduler, scaler, meter, progress, identity, settings, logger_run, s.d)
     auto = s.auto.state_dict() | val_batches.state_dict()  # a resume starts at the found micro-batch
     return held | {"autobatch": auto, "selection": selection.state_dict(), "ema": s.ema.state_dict()}
 

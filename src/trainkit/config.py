@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -487,8 +488,8 @@ def run_cli(main: Callable[[], Any]) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (HydraException, OmegaConfBaseException) as error:
-        message = _one_line(error)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        message = _null_group(error) if type(error) is ValueError else _one_line(error)
         if message is None:
             raise
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
@@ -523,6 +524,8 @@ def _one_line(error: BaseException) -> str | None:
     if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
         group, _, name = error.missing_cfg_file.rpartition("/")
         return f"{group}={name} is not one of: {', '.join(error.options)}"
+    if (unquoted := _sweep_in_dict(error)) is not None:
+        return unquoted
     if (refused := _refusal(error.__cause__)) is not None:
         return refused
     if isinstance(error, ConfigCompositionException | OverrideParseException):
@@ -533,6 +536,58 @@ def _one_line(error: BaseException) -> str | None:
             "own as the run loads it; `--cfg job` without --resolve prints the config)"
         )
     return None
+
+
+def _null_group(error: ValueError) -> str | None:
+    """`logger=null`, `hydra/sweeper/pruner=null`: Hydra's ValueError ("Config group override must be a string or a
+    list. Got NoneType") names neither the group nor its options; the frame that raised it holds both."""
+    from hydra.core.object_type import ObjectType
+
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    found = traceback.tb_frame.f_locals if traceback is not None else {}
+    override, repo = found.get("override"), found.get("repo")
+    if "Got NoneType" not in str(error) or override is None or repo is None:
+        return None
+    group = override.key_or_group
+    options = repo.get_group_options(group, ObjectType.CONFIG)
+    said = f"{group}=null: a config group takes one of its options' names ({', '.join(options)})"
+    if "none" in options:
+        return f"{said}; {group}=none turns it off"
+    if group.startswith("hydra/"):  # a node of hydra's own that may be null (the sweeper's pruner)
+        return f"{said}; {group.replace('/', '.')}=null turns it off"
+    return said
+
+
+def _sweep_in_dict(error: BaseException) -> str | None:
+    """`'hydra.sweeper.params={model.width:choice(32,64)}'`: Hydra parses the choice into a sweep object, which
+    OmegaConf cannot hold (its `tags=set(): Unexpected type annotation` named neither)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Sweep
+
+    cause = error.__cause__
+    kind = getattr(cause, "object_type", None)
+    if not (isinstance(error, ConfigCompositionException) and isinstance(kind, type) and issubclass(kind, Sweep)):
+        return None
+    line = str(error).removeprefix("Error merging override ").strip()
+    try:
+        (override,) = OverridesParser.create().parse_overrides([line])
+    except Exception:
+        return None
+    value = override.value()
+    swept = {k: v for k, v in value.items() if isinstance(v, Sweep)} if isinstance(value, dict) else {}
+    if not swept:
+        return None
+    key, sweep = next(iter(swept.items()))
+    written = re.search(rf"{re.escape(str(key))}\s*:\s*((?:choice|range|interval|tag|shuffle|glob)\(.*?\))[,}}]", line)
+    text = written.group(1) if written else type(sweep).__name__
+    function = text.split("(")[0]
+    quoted = line.replace(text, f'"{text}"', 1)
+    return (
+        f"{line}: {function}(...) inside a dict is no value; quote it ('{quoted}') or give it as its own override "
+        f"(-m {key}={text})"
+    )
 
 
 def _refusal(cause: BaseException | None) -> str | None:

@@ -4,13 +4,19 @@ A backend is one class of BACKENDS with the small interface below (`Backend`) an
 whose `name` is its key here; nothing else in trainkit names a backend. It is built as
 `Backend(run_dir, cfg, resume_step, run_id)`: resume_step is the checkpoint's step a resumed run continues from
 (None for a fresh run; rows past it are logged again), run_id the backend's own id of the run it continues (its
-`run_id` as saved in the checkpoint under `logger_run_id`), None for a fresh run.
+`run_id` as saved in the checkpoint under `logger_run_id`), None for a fresh run. A backend whose runs live in a
+store (MLflow's tracking URI, a W&B project) says which with `store(run_dir, cfg)`; the checkpoint keeps it
+beside the id (`logger_store`: backend and store), and a resume continues the run only in the same backend and
+store: elsewhere (another store, W&B's run resumed with logger=mlflow) it starts a new run and says so in one line.
 """
 
+import contextlib
+import fcntl
 import json
 import netrc
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -20,6 +26,7 @@ from trainkit import provenance
 
 RUN_ID = "logger_run_id"  # the checkpoint's key for Backend.run_id
 OLD_RUN_ID = "wandb_run_id"  # what checkpoints written before the rename hold
+STORE = "logger_store"  # the checkpoint's key for {"backend": logger.name, "store": Backend.store(...)} of that id
 
 
 class Backend(Protocol):
@@ -80,6 +87,11 @@ class FileLogger:
 class WandbLogger:
     """A W&B run in the run dir: offline unless the user has credentials or sets WANDB_MODE (wandb_mode)."""
 
+    @staticmethod
+    def store(run_dir: Path, cfg: DictConfig) -> str:
+        """Where its runs are: the entity (the user's default: empty) and project."""
+        return f"{cfg.logger.entity or ''}/{cfg.logger.project}"
+
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
         import wandb
 
@@ -137,26 +149,35 @@ class TensorBoardLogger:
 
 
 class MLflowLogger:
-    """An MLflow run in a file store inside the run dir (<run dir>/mlruns: no server; `mlflow ui --backend-store-uri
-    <run dir>/mlruns` shows it), in the experiment logger.project; MLFLOW_TRACKING_URI, when set, points it at a
-    server or database instead. The config as parameters (flattened keys) and config.yaml, the summary as
-    summary.json (artifacts) and model/* tags. A resumed run continues the same MLflow run (run_id), which keeps
-    every value logged: rows an attempt logged past its checkpoint are there twice at their step, the later this
-    run's."""
+    """An MLflow run in the experiment logger.project of one store for every run of the project: MLFLOW_TRACKING_URI
+    when set (a server, a database), else a sqlite database, outputs/mlflow.db under the dir the command started in
+    (Hydra's original cwd), created by the first run (its artifacts beside it, outputs/mlartifacts/), which sweep jobs
+    write at once and mlflow opens without switches: `mlflow ui --backend-store-uri sqlite:///<that path>`. The
+    config as parameters (flattened keys) and config.yaml, the summary as summary.json (artifacts) and model/* tags.
+    A resumed run continues the same MLflow run (run_id) when it is in this store, which keeps every value logged:
+    rows an attempt logged past its checkpoint are there twice at their step, the later this run's."""
+
+    @staticmethod
+    def store(run_dir: Path, cfg: DictConfig) -> str:
+        return mlflow_store(Path(run_dir))
 
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
-        # MLflow 3 keeps the file store in maintenance mode behind this switch; a database would be one more
-        # service (or sqlite's ~6 s of schema migrations at every fresh run).
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.entities import Param, RunStatus
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir) / "mlruns").as_uri())
-        if run_id is not None:
-            self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
-        else:
+        uri = mlflow_store(Path(run_dir))
+        with _creating(uri):  # the first job of a sweep creates the database; the others wait for it
+            self.client = MlflowClient(uri)
             found = self.client.get_experiment_by_name(cfg.logger.project)
-            experiment = found.experiment_id if found else self.client.create_experiment(cfg.logger.project)
+        if run_id is not None:
+            try:
+                self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            except MlflowException:  # e.g. a checkpoint written before the store was kept, from another store
+                print(f"logger: the checkpoint's run {run_id} is not in {uri}: a new mlflow run in {uri}", flush=True)
+                run_id = None
+        if run_id is None:
+            experiment = found.experiment_id if found else self._experiment(cfg.logger.project, uri)
             group, name, _ = sweep_identity()
             tags = {tag: "" for tag in cfg.logger.tags} | ({"group": cfg.logger.group or group} if group else {})
             run_id = self.client.create_run(experiment, run_name=name, tags=tags).info.run_id
@@ -167,6 +188,21 @@ class MLflowLogger:
             self.client.log_text(run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         self.id: str = run_id
         self.run_id: str | None = run_id
+
+    def _experiment(self, name: str, uri: str) -> str:
+        """A new experiment (another job may have made it meanwhile); a sqlite store's artifacts beside its file
+        (MLflow's default, ./mlruns, would be relative to wherever each command runs)."""
+        from mlflow.exceptions import MlflowException
+
+        database = _sqlite_path(uri)
+        location = (database.parent / "mlartifacts").as_uri() if database is not None else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # made by a job at once: the name is taken
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def log(self, row: dict) -> None:
         from mlflow.entities import Metric
@@ -183,6 +219,41 @@ class MLflowLogger:
 
     def close(self, failed: bool) -> None:
         self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
+
+
+DEFAULT_STORE = Path("outputs") / "mlflow.db"  # logger=mlflow's database, under the dir the command started in
+
+
+def mlflow_store(run_dir: Path) -> str:
+    """logger=mlflow's tracking URI: MLFLOW_TRACKING_URI when set, else the project's sqlite database (DEFAULT_STORE
+    under Hydra's original cwd: one store for every run and sweep job of the project), as an absolute path."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    from hydra.core.hydra_config import HydraConfig
+
+    root = Path(HydraConfig.get().runtime.cwd) if HydraConfig.initialized() else Path.cwd()
+    return f"sqlite:///{(root / DEFAULT_STORE).resolve()}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def _creating(uri: str) -> Iterator[None]:
+    """A sqlite store is created (its schema migrated) by one process at a time: two sweep jobs starting together
+    each migrating the same new file fail ("duplicate column name"). A lock file beside the database."""
+    database = _sqlite_path(uri)
+    if database is None:
+        yield
+        return
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -204,16 +275,36 @@ class Loggers:
     """Rank 0's logger: the file logger and the chosen backend. A context manager: the backend's close() runs
     also when training fails."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
+    def __init__(
+        self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None, saved: dict | None = None
+    ):
+        """saved: the checkpoint's record of where run_id lives ({"backend", "store"}; None: not recorded)."""
         chosen = BACKENDS.get(cfg.logger.name)  # none: the file alone
         self.backends: list[Backend] = [FileLogger(run_dir, cfg, resume_step)]
+        self.where: dict | None = None
         if chosen is not None:
+            store = getattr(chosen, "store", None)  # a backend of one's own may have none: None
+            self.where = {"backend": cfg.logger.name, "store": store(run_dir, cfg) if store else None}
+            if run_id is not None and saved is not None and saved != self.where:
+                print(
+                    f"logger: the checkpoint's run {run_id} is a {saved['backend']} run in {saved['store']}: "
+                    f"a new {cfg.logger.name} run in {self.where['store']}",
+                    flush=True,
+                )
+                run_id = None
             self.backends.append(chosen(run_dir, cfg, resume_step, run_id))
 
     @property
     def run_id(self) -> str | None:
         """The backend's run id, saved in checkpoints (logger_run_id) so a resumed run continues the same run."""
         return self.backends[-1].run_id
+
+    @property
+    def run(self) -> dict | None:
+        """What a checkpoint keeps of the backend's run: {"id", "backend", "store"}; None without one."""
+        if self.where is None or self.run_id is None:
+            return None
+        return {"id": self.run_id} | self.where
 
     def log(self, row: dict) -> None:
         for backend in self.backends:
@@ -235,6 +326,7 @@ class NullLogger:
     """What every rank but 0 gets: logging is a no-op there."""
 
     run_id = None
+    run = None
 
     def log(self, row: dict) -> None:
         pass
@@ -255,7 +347,7 @@ def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool, resume: dict | No
         return NullLogger()
     if resume is None:
         return Loggers(run_dir, cfg, None, None)
-    return Loggers(run_dir, cfg, resume["progress"]["step"], saved_run_id(resume))
+    return Loggers(run_dir, cfg, resume["progress"]["step"], saved_run_id(resume), resume.get(STORE))
 
 
 def wandb_mode() -> str:

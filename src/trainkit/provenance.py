@@ -1,6 +1,7 @@
 """provenance.json: where a run came from, one file in its run dir, written by rank 0 (atomically: a temp file
 renamed) before training, beside .hydra/config.yaml. It holds the git commit of the source tree trainkit runs
-from and whether the tree was dirty (the diff of its tracked files in provenance.diff next to it), the versions
+from and whether the tree was dirty (the diff of its tracked files in provenance.diff next to it, with the untracked
+files under src/ and conf/, a fork's new options, listed by hash and their content in the diff too), the versions
 of Python, torch and every dependency pyproject.toml names, the command line and its overrides, the world size,
 and for a run that builds on runs (model.init.from, task.teacher.from) each parent's run dir and the parent's
 own record, nested: a chain is traceable to its first run. A resume keeps the record of the start and appends
@@ -30,8 +31,10 @@ except ModuleNotFoundError:  # 3.10: the installed package's metadata names the 
 
 FILE = "provenance.json"
 DIFF = "provenance.diff"
-PARENT_KEYS = ("model.init.from", "task.teacher.from")  # the keys that name a run this one builds on
+# the keys that name a run this one builds on; run_dir: the training run predict.py and eval.py read
+PARENT_KEYS = ("model.init.from", "task.teacher.from", "run_dir")
 ROOT = Path(__file__).resolve().parents[2]  # the source tree: src/trainkit/provenance.py -> its repository
+UNTRACKED_IN = ("src", "conf")  # where an untracked file is the run's code (a fork's new option), not a stray note
 
 
 def git_state(root: Path | None = None, diff_name: str = DIFF) -> tuple[dict, str]:
@@ -55,6 +58,9 @@ def git_state(root: Path | None = None, diff_name: str = DIFF) -> tuple[dict, st
         commit = git("rev-parse", "HEAD").strip()
         status = git("status", "--porcelain", "--untracked-files=no")
         diff = git("diff", "HEAD") if status else ""
+        # a fork's new files (docs/forking.md: src/trainkit/models/mine.py, conf/model/mine.yaml) are the run's code
+        # too, untracked until committed; git's own ignores (.gitignore: __pycache__, outputs/) stay out
+        listed = git("ls-files", "--others", "--exclude-standard", "-z", "--", *UNTRACKED_IN)
     except FileNotFoundError:
         return {"commit": None, "why": "git is not installed"}, ""
     except subprocess.CalledProcessError as error:
@@ -62,10 +68,28 @@ def git_state(root: Path | None = None, diff_name: str = DIFF) -> tuple[dict, st
         return {"commit": None, "why": f"{root}: {why}"}, ""
     except subprocess.TimeoutExpired:
         return {"commit": None, "why": "git did not answer in 20 s"}, ""
-    state: dict = {"commit": commit, "dirty": bool(status)}
-    if status:
+    untracked = {path: (root / path).read_bytes() for path in sorted(filter(None, listed.split("\0")))}
+    diff += "".join(_new_file(path, content) for path, content in untracked.items())
+    state: dict = {"commit": commit, "dirty": bool(status or untracked)}
+    if untracked:
+        state["untracked"] = {path: hashlib.sha256(content).hexdigest() for path, content in untracked.items()}
+    if diff:
         state |= {"diff": diff_name, "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()}
     return state, diff
+
+
+def _new_file(path: str, content: bytes) -> str:
+    """An untracked file as git's diff of a new file (`git apply` recreates it); a binary one by its hash alone."""
+    try:
+        text = content.decode()
+    except UnicodeDecodeError:
+        return f"diff --git a/{path} b/{path}\nnew file mode 100644\nBinary files /dev/null and b/{path} differ\n"
+    lines = text.splitlines(keepends=True)
+    body = "".join(f"+{line}" for line in lines) + (
+        "" if text.endswith("\n") or not text else "\n\\ No newline at end of file\n"
+    )
+    header = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+    return header + (f"@@ -0,0 +1,{len(lines)} @@\n{body}" if lines else "")
 
 
 def versions(root: Path | None = None) -> dict[str, str | None]:
@@ -126,14 +150,25 @@ def _start(world_size: int, diff_name: str) -> tuple[dict, str]:
     return entry, diff
 
 
-def write(run_dir: Path, cfg: DictConfig, world_size: int, resumed_step: int | None = None) -> dict:
-    """Rank 0, before training: a fresh run's record, or the resumed run's record with this start appended."""
+def write(
+    run_dir: Path, cfg: DictConfig, world_size: int, resumed_step: int | None = None, checkpoint: str | None = None
+) -> dict:
+    """Rank 0, before training (predict.py, eval.py: before writing): a fresh run's record, or the resumed run's
+    record with this start appended (its step and checkpoint). A run resumed in a new dir from another run's
+    checkpoint records where it came from (`resumed_from`: the checkpoint, its step, its run dir and that dir's
+    record)."""
     earlier = read(run_dir) if resumed_step is not None else None
     entry, diff = _start(world_size, DIFF if earlier is None else f"provenance.step_{resumed_step}.diff")
     if earlier is not None:
-        record = earlier | {"resumes": [*earlier.get("resumes", []), {"step": resumed_step, **entry}]}
+        resume = {"step": resumed_step, "checkpoint": checkpoint, **entry}
+        record = earlier | {"resumes": [*earlier.get("resumes", []), resume]}
     else:
         record = entry | {"versions": versions(), "parents": parents(cfg)}
+    if earlier is None and resumed_step is not None:
+        source = Path(str(checkpoint)).resolve().parent  # checkpoints/step_N.pt (FSDP: checkpoints/step_N/)
+        source = source.parent if source.name == "checkpoints" else source
+        found = {"checkpoint": checkpoint, "step": resumed_step, "run_dir": str(source), "provenance": read(source)}
+        record["resumed_from"] = found
     if diff:
         _atomic(Path(run_dir) / entry["git"]["diff"], diff)
     _atomic(Path(run_dir) / FILE, json.dumps(record, indent=1) + "\n")

@@ -4,12 +4,13 @@ Shared here because no entry point imports another."""
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, heldout
+from trainkit import config, heldout, provenance
 from trainkit.checkpoint import load_model, save_whole
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -46,7 +47,7 @@ def write_predictions(
     then the `done:` line of the metrics' numbers."""
     wrote = [name for name, what in (("predictions.csv", rows), ("embeddings.pt", embedded)) if what]
     if d.is_main:
-        config.save(cfg, out_dir)
+        save_job(cfg, out_dir, d)
         if rows:
             with open(out_dir / "predictions.csv", "w") as f:
                 f.writelines(",".join(map(str, row)) + "\n" for row in rows)
@@ -60,6 +61,13 @@ def write_predictions(
         f" on {metrics['samples']} {cfg.split} samples; wrote {out_dir / wrote[0]}"
         f"{''.join(f', {name}' for name in wrote[1:])} and metrics.json"
     )
+
+
+def save_job(cfg: DictConfig, out_dir: Path, d: Dist) -> None:
+    """Rank 0: a predict or eval job's config (.hydra/) and provenance.json (its code, command and world size, and
+    the run it read, run_dir, with that run's own record)."""
+    config.save(cfg, out_dir)
+    provenance.write(out_dir, cfg, d.world_size)
 
 
 def weights_path(run_dir: Path, weights: str) -> Path:
@@ -101,6 +109,38 @@ def say_predicting(cfg: DictConfig, weights: Path, samples: int, batch_size: int
     )
 
 
+WORLD_SIZE = "${world_size:}"  # the resolver of this job's world size (trainkit/config.py)
+
+
+def run_batch_size(cfg: DictConfig, run_cfg: DictConfig, d: Dist) -> Any:
+    """The run's data.batch_size, as its run resolved it: a value that follows the world size (an experiment's
+    ${micro_batch:global,K,${world_size:}}) resolves at the run's own world size (its provenance.json's newest start;
+    none: 1), not at this job's, which need not divide the global batch; said once. Else one line naming batch_size=."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    raw = OmegaConf.to_container(run_cfg.data, resolve=False).get("batch_size")  # type: ignore[union-attr]
+    world_size, merged = d.world_size, run_cfg
+    if isinstance(raw, str) and WORLD_SIZE in raw:
+        record = provenance.read(Path(cfg.run_dir)) or {}
+        world_size = int(([record, *record.get("resumes", [])][-1]).get("world_size") or 1)
+        node = OmegaConf.create({"data": {"batch_size": raw.replace(WORLD_SIZE, str(world_size))}})
+        merged = cast(DictConfig, OmegaConf.merge(run_cfg, node))  # the run's other keys (global batch, K) as is
+    try:
+        batch_size = merged.data.batch_size
+    except InterpolationResolutionError as error:
+        why = str(error.__cause__ or error).splitlines()[0]
+        raise ConfigError(
+            f"run_dir={cfg.run_dir}: its data.batch_size ({raw}) does not resolve at its world size {world_size} "
+            f"({why}); set batch_size=<samples per rank>"
+        ) from None
+    if world_size != d.world_size:
+        d.print0(
+            f"data.batch_size resolves at the run's own world size {world_size}: batch {batch_size} per rank "
+            f"(not at this job's {d.world_size}; batch_size= sets another)"
+        )
+    return batch_size
+
+
 def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> tuple:
     """(the split's data set, its EvalBatches, the batch size per rank): cfg.split of the run's data,
     each rank a contiguous shard (every sample once, rank order is dataset order), at cfg.batch_size
@@ -113,7 +153,7 @@ def split_batches(cfg: DictConfig, run_cfg: DictConfig, d: Dist, what: str) -> t
         raise ConfigError(f"split=test: data={run_cfg.data.name} of {cfg.run_dir} has no test split ({why})")
     if len(dataset) == 0:
         raise ConfigError(f"split={cfg.split} of {cfg.run_dir} holds no samples")
-    batch_size = cfg.batch_size or run_cfg.data.batch_size
+    batch_size = cfg.batch_size or run_batch_size(cfg, run_cfg, d)
     auto = batch_size == "auto"
     if auto:
         batch_size = max(1, run_cfg.accumulation.global_batch_size // d.world_size)

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import config, dist
+from trainkit import dist
 from trainkit.data.addition import END, IGNORE
 from trainkit.data.pydoc_text import VOCAB_FILE, Vocabulary, is_text_run
 from trainkit.data.tokens import META_FILE, Codec, is_tokens_run
@@ -25,7 +25,7 @@ from trainkit.inference import gather, generate
 from trainkit.loading import shard_bounds
 from trainkit.precision import autocast_for
 from trainkit.rng import generation_seed
-from trainkit.rundir import run_model, say_predicting, split_batches, write_predictions
+from trainkit.rundir import run_model, save_job, say_predicting, split_batches, write_predictions
 
 SAMPLING_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "num_samples")  # a text run's settings
 SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's sample.py prints it)
@@ -101,7 +101,7 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, 
     )
     texts = samples(model.to(d.device), cfg.prompt, cfg, vocab, d, autocast_for(cfg.trainer.precision, d.device))
     if d.is_main:
-        config.save(cfg, out_dir)
+        save_job(cfg, out_dir, d)
         (out_dir / "samples.txt").write_text("".join(text + SEPARATOR for text in texts))
     d.print0("".join(text + SEPARATOR for text in texts), end="")
     d.print0(f"done: wrote {out_dir / 'samples.txt'}")

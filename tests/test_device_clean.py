@@ -118,6 +118,7 @@ def test_every_task_runs_its_every_path_on_another_device(task, device, quiet_st
         marks.clear()
         run_in_process(tmp_path / "predict", f"run_dir={tmp_path / 'run'}", script="predict")
     assert f" on {DEVICE} |" in out and "done: 3 steps" in out, out
+    assert "data path: on the device" in out, out  # every shipped data set has a tensor form (data.on_device=auto)
     assert (tmp_path / "run" / "model_best.pt").is_file() and (tmp_path / "run" / "model_ema.pt").is_file()
     assert quiet, "no quiet step: the run checked nothing"
     assert not waits(syncs, quiet), waits(syncs, quiet)
@@ -149,7 +150,7 @@ def test_default_job_at_k_4_and_auto_from_a_cpu_checkpoint_then_eval_on_another_
         out = run_in_process(tmp_path / "run", *overrides, f"checkpoint.resume={step2}")
         marks.clear()
         run_in_process(tmp_path / "eval", f"run_dir={tmp_path / 'run'}", "split=test", script="eval")
-    assert f" on {DEVICE} |" in out and "done: 6 steps" in out, out
+    assert f" on {DEVICE} |" in out and "done: 6 steps" in out and "data path: on the device" in out, out
     assert_bit_equal(weights(tmp_path / "run"), weights(tmp_path / "cpu"))
     assert quiet and not waits(syncs, quiet), (quiet, waits(syncs, quiet))
     assert "test/acc" in (tmp_path / "eval" / "metrics.json").read_text()

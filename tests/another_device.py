@@ -3,17 +3,20 @@ device or make the host wait, this one does too, and still computes every number
 
 On a CPU-only machine every tensor is on the CPU, so a tensor made without a device (`torch.tensor(len(target))`
 beside a batch's sums: the crash every evaluation hit on the first GPU tried) is invisible. Here the model and the
-batches live on `DEVICE`, a device type torch knows but this build has no kernels for ("privateuseone"): each such
-tensor is an `OnDevice` wrapper around the CPU tensor that holds its values, and every operation on one runs on
-those values (so a run computes what it computes on the CPU, bit for bit, and its checks on numbers still hold).
-An operation that mixes one with a CPU tensor raises CUDA's "Expected all tensors to be on the same device", with
-CUDA's one exception (a 0-dim CPU tensor as a scalar in a pointwise operation).
+batches live on `DEVICE`: each such tensor is an `OnDevice` wrapper around the CPU tensor that holds its values, and
+every operation on one runs on those values (so a run computes what it computes on the CPU, bit for bit, and its
+checks on numbers still hold). An operation that mixes one with a CPU tensor raises CUDA's "Expected all tensors to
+be on the same device", with CUDA's one exception (a 0-dim CPU tensor as a scalar in a pointwise operation).
 
-Why not torch's `meta` device: it holds no values, so `.item()`, `.tolist()`, a metric, a checkpoint and every
-decision on a number (early stopping, the best checkpoint) cannot run, and `load_state_dict` into it is a silent
-no-op. FakeTensorMode treats a 0-dim CPU tensor as a scalar everywhere and let the crash through. A mode that only
+The wrapper wears the label of torch's `meta` device: a CUDA build of torch sends autograd on any other non-CPU
+device type (a `privateuseone` backend registered from Python) through CUDA's hooks, which fail without a GPU.
+Plain `meta` tensors would not do: they hold no values, so `.item()`, `.tolist()`, a metric, a checkpoint and every
+decision on a number (early stopping, the best checkpoint) could not run. (torch's `load_state_dict` warns that a
+copy into a meta parameter is a no-op: into an OnDevice one it is a real copy, as the tests' bit-equal weights show.)
+FakeTensorMode treats a 0-dim CPU tensor as a scalar everywhere and let the crash through. A mode that only
 refuses factory calls without `device=` misses a `.cpu()` tensor met again on the device, and refuses a model's
-buffers built in `__init__` (moved by `.to(device)` later, as they should be).
+buffers built in `__init__` (moved by `.to(device)` later, as they should be). Attention takes torch's math kernel
+here (the CPU a fused one): runs compared with the CPU's run under `sdpa_kernel(SDPBackend.MATH)`.
 
 Host syncs: the calls that make the host wait on a GPU are counted (`Syncs`): a value read on the host (`.item()`,
 `bool()`, `float()`, `.tolist()`, `.numpy()`), a copy to the host or from it without `non_blocking=True` (`.cpu()`,

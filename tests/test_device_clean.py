@@ -1,5 +1,5 @@
 """Every task trains, evaluates, checkpoints, resumes and predicts on a device that is not the CPU, and a step
-that neither logs, evaluates nor saves makes the host wait on the device for nothing (DESIGN rule 22).
+that neither logs, evaluates nor saves never makes the host wait on the device (docs/design.md, rule 22).
 
 On a CPU-only machine a tensor made without a device is invisible: on the first GPU tried, every evaluation
 crashed on one `torch.tensor(len(target))`. These runs put the model and the batches on tests/another_device.py's

@@ -5,13 +5,15 @@ import collections
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from helpers import rows, run_in_process, without_timings
-from trainkit.data.addition import IGNORE, Problems, decode, operand_lengths, splits
+from trainkit.data.addition import END, IGNORE, Problems, decode, operand_lengths, splits
 from trainkit.models.gpt import gpt
 from trainkit.tasks.lm import LanguageModel
+from trainkit.tasks.lm_predict import sequence_results
 
 
 def test_addition_lengths_vary_masks_cover_the_answer_and_splits_are_fixed_and_stratified():
@@ -35,6 +37,30 @@ def test_addition_lengths_vary_masks_cover_the_answer_and_splits_are_fixed_and_s
     assert lengths == set(range(5, 13))  # inputs: 1+1 with a 1-digit sum: 5 tokens ... 3+3 with 4: 12
     xb, yb = Problems.collate_fn([train[i] for i in range(8)])
     assert xb.shape == yb.shape and xb.shape[1] == max(len(train[i][0]) for i in range(8))
+
+
+def test_zero_pad_holds_every_place_and_the_end_at_one_position_and_keeps_the_problems_and_their_pairs():
+    plain, padded = (splits(max_digits=3, num_train=600, num_val=90, zero_pad=pad)[0] for pad in (False, True))
+    assert (plain.pairs == padded.pairs).all()  # the same problems, written otherwise
+    x, y = padded[3]
+    a, b = (int(v) for v in padded.pairs[3])
+    text = decode(torch.cat([x, y[-1:]]).tolist())
+    assert text == f"{a:03d}"[::-1] + "+" + f"{b:03d}"[::-1] + "=" + f"{a + b:04d}"[::-1] + "$"  # 5+17: 500+710=2200$
+    assert padded.problem(3) == (f"{a:03d}+{b:03d}=", f"{a + b:04d}")
+    assert (y != IGNORE).sum() == 5 and (y[-5:] != IGNORE).all()  # every answer: 4 digits and the end
+    assert {len(padded[i][0]) for i in range(len(padded))} == {12}
+    for split in (plain, padded):  # the per-pair metrics count an operand's digits, not its zeros
+        inputs = Problems.collate_fn([split[i] for i in range(len(split))])[0]
+        expected = [[len(str(a)), len(str(b))] for a, b in split.pairs.tolist()]
+        assert operand_lengths(inputs).tolist() == expected
+    zeros = Problems(np.array([[0, 30], [100, 0]]), width=3)
+    inputs = Problems.collate_fn([zeros[0], zeros[1]])[0]
+    assert operand_lengths(inputs).tolist() == [[1, 2], [3, 1]]  # 0 has one digit; 30's and 100's zeros count
+    answers = [y[-5:].tolist() for _, y in (padded[i] for i in range(len(padded)))]  # right: 4 digits and the end
+    answers[0][1:] = [END] * 4  # a greedy answer that ends early is wrong, as the teacher-forced val/acc counts it
+    metrics, rows = sequence_results(padded, torch.tensor(answers))
+    assert metrics["accuracy"] == 1 - 1 / len(padded) and rows[2][1:] == [*padded.problem(1), padded.problem(1)[1], 1]
+    assert set(metrics["accuracy_by_operand_lengths"]) == {f"{a}x{b}" for a in (1, 2, 3) for b in (1, 2, 3)}
 
 
 def test_gpt_is_causal():
@@ -69,9 +95,11 @@ def max_diff(a: Path, b: Path) -> float:
 
 # One epoch of 300 problems, global batch 32: 9 full windows and a short one of 12, SGD (an
 # equivalence: tests/helpers.py; the experiment's AdamW lr of 3e-3 would barely move SGD), cosine
-# warmup, clipping at 1.0. Token counts differ between micro-batches and ranks.
+# warmup, clipping at 1.0. Token counts differ between micro-batches and ranks: unpadded (the
+# experiment's data.zero_pad gives every answer 4 digits, so every micro-batch the same count).
 ADDITION = [
     "+experiment=addition_gpt",
+    "data.zero_pad=false",
     "optim=sgd",
     "optim.lr=0.1",
     "data.num_train=300",

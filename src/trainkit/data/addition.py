@@ -6,6 +6,11 @@ makes addition learnable by small causal models (each answer digit then depends 
 already seen: the operands' digits of its place and the carry). Reversing the operands too puts
 the units digits at the same place for every operand length (with the answer alone reversed,
 a 2-layer GPT learned 3x3 problems but not 2x2 ones: 0.10 exact match after 3000 steps).
+`zero_pad` (data.zero_pad) writes every number at a fixed width with leading zeros, operands of max_digits and
+answers of max_digits + 1 digits (3 digits: `5+17=22` is `500+710=2200$`): each place then sits at one position
+and every answer ends at one, so no problem asks the model where an operand or the answer ends (unpadded, a seed of
+`+experiment=addition_gpt` could stall at 0.10 exact match on 3x1 and 3x2 problems; with padded operands alone,
+at 0.44 on 1x1, the only problems with one-digit answers; docs/text.md).
 The model reads the sequence shifted by one; only the answer tokens and the end token bear a
 loss (targets elsewhere are IGNORE). Batches are padded to their longest sequence.
 
@@ -39,6 +44,7 @@ class Splits:
     num_val: int = MISSING
     block_size: int | None = None
     num_test: int = 0
+    zero_pad: bool = False
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Schema(Data):
     num_train: int = 20000
     num_val: int = 1800
     num_test: int = 1800
+    zero_pad: bool = False
     vocab_size: int = MISSING
     block_size: int = MISSING
 
@@ -74,24 +81,30 @@ class Problems(Dataset):
     draws_random = False  # a problem is its operands: the loader seeds nothing per sample (data.draws_random)
     lengths: torch.Tensor  # each problem's input length (device_tensors)
 
-    def __init__(self, pairs: np.ndarray):
+    def __init__(self, pairs: np.ndarray, width: int = 0):
         self.pairs = pairs  # (N, 2) operands
+        self.width = width  # data.zero_pad: operands of `width` digits and answers of width + 1; 0: as written
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, index: int):
         a, b = (int(v) for v in self.pairs[index])
-        prompt, answer = encode(f"{str(a)[::-1]}+{str(b)[::-1]}="), encode(str(a + b)[::-1] + "$")
+        a_text, b_text, answer_text = self.written(a, b)
+        prompt, answer = encode(f"{a_text[::-1]}+{b_text[::-1]}="), encode(answer_text[::-1] + "$")
         sequence = torch.tensor(prompt + answer)
         target = sequence[1:].clone()
         target[: len(prompt) - 1] = IGNORE  # positions that predict the prompt bear no loss
         return sequence[:-1], target
 
+    def written(self, a: int, b: int) -> tuple[str, str, str]:
+        """a, b and a + b as people write them, at the fixed width of data.zero_pad (`005`, `017`, `0022`)."""
+        return str(a).zfill(self.width), str(b).zfill(self.width), str(a + b).zfill(self.width + 1 if self.width else 0)
+
     def problem(self, index: int) -> tuple[str, str]:
         """("a+b=", "c") as people write them (the model reads and writes them reversed)."""
-        a, b = (int(v) for v in self.pairs[index])
-        return f"{a}+{b}=", str(a + b)
+        a_text, b_text, answer_text = self.written(*(int(v) for v in self.pairs[index]))
+        return f"{a_text}+{b_text}=", answer_text
 
     def read_answer(self, tokens: list[int]) -> str:
         """Generated tokens up to the end token, as people write the answer (`?` for a non-digit)."""
@@ -105,7 +118,7 @@ class Problems(Dataset):
         return self.collate_fn([self[i] for i in range(len(self))])
 
     def device_bytes(self) -> int:
-        return 2 * len(self) * longest_input(int(max(len(str(v)) for v in self.pairs.max(0)))) * 8
+        return 2 * len(self) * longest_input(max(self.width, *(len(str(v)) for v in self.pairs.max(0)))) * 8
 
     def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
         """The micro-batches of `order` (this rank's epoch, on the host) from the device's rows: one gather a tensor
@@ -127,10 +140,16 @@ class Problems(Dataset):
 
 
 def operand_lengths(inputs: torch.Tensor) -> torch.Tensor:
-    """(B, 2) digits of a and b, read from input rows (`a+b=...`)."""
-    plus = (inputs == VOCAB.index("+")).int().argmax(dim=1)
-    equals = (inputs == VOCAB.index("=")).int().argmax(dim=1)
-    return torch.stack([plus, equals - plus - 1], dim=1)
+    """(B, 2) digits of a and b, read from input rows (`a+b=...`, operands reversed): each operand's digits up to
+    its last nonzero one (0 has one), so the zeros of data.zero_pad do not count."""
+    plus = (inputs == VOCAB.index("+")).int().argmax(dim=1, keepdim=True)
+    equals = (inputs == VOCAB.index("=")).int().argmax(dim=1, keepdim=True)
+    position = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    nonzero = (inputs >= 1) & (inputs <= 9)
+    in_a, in_b = position < plus, (position > plus) & (position < equals)
+    last_a = torch.where(nonzero & in_a, position, 0).amax(dim=1, keepdim=True)
+    last_b = torch.where(nonzero & in_b, position - plus, 1).amax(dim=1, keepdim=True)
+    return torch.cat([last_a + 1, last_b], dim=1)
 
 
 def _population(digits: int) -> tuple[int, int]:
@@ -144,11 +163,13 @@ def splits(
     num_val: int = 1800,
     block_size: int | None = None,
     num_test: int = 0,
+    zero_pad: bool = False,
 ) -> tuple[Problems, Problems, Problems]:
     """Disjoint train/val/test problems, each stratified by operand-length pair, independent of the
     seed. Val's and test's shares are reserved first (each at most half of what a pair has left, so
     a small pair such as 1+1 has problems in both), training takes its share of the rest.
-    `block_size` (the model's context, data.block_size): refused when the longest problem is longer."""
+    `block_size` (the model's context, data.block_size): refused when the longest problem is longer.
+    `zero_pad`: every operand written with max_digits digits and every answer with max_digits + 1."""
     if not (isinstance(max_digits, int) and 1 <= max_digits <= 6):
         raise ConfigError(f"data.max_digits={max_digits} must be an integer from 1 to 6")
     if block_size is not None and block_size < longest_input(max_digits):
@@ -179,11 +200,9 @@ def splits(
         parts["val"].append(pairs[:n_val])
         parts["test"].append(pairs[n_val : n_val + n_test])
         parts["train"].append(pairs[n_val + n_test :])
-    return (
-        Problems(np.concatenate(parts["train"])),
-        Problems(np.concatenate(parts["val"])),
-        Problems(np.concatenate(parts["test"])),
-    )
+    width = max_digits if zero_pad else 0
+    train_set, val_set, test_set = (Problems(np.concatenate(parts[name]), width) for name in ("train", "val", "test"))
+    return train_set, val_set, test_set
 
 
 def _shares(total: int, sizes: list[int], caps: list[int]) -> list[int]:

@@ -79,7 +79,8 @@ def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]
         prompt, target = dataset.problem(index)
         prediction = dataset.read_answer(tokens)
         rows.append([index, prompt, target, prediction, int(prediction == target)])
-        pair = "x".join(str(len(n)) for n in prompt[:-1].split("+"))
+        digits = (len(n.lstrip("0") or "0") for n in prompt[:-1].split("+"))  # data.zero_pad's zeros do not count
+        pair = "x".join(map(str, digits))
         by_lengths.setdefault(pair, []).append(prediction == target)
     correct = sum(row[-1] for row in rows[1:])
     metrics = {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CRASH_RUN, faulty, run_in_process, run_train
+from helpers import CRASH_RUN, faulty, run_in_process
 
 
 @pytest.fixture(scope="session")
@@ -17,17 +17,6 @@ def crash_run_two_ranks(tmp_path_factory) -> Path:
     (tmp / "never").touch()
     run_in_process(tmp / "run", *CRASH_RUN, *faulty("kill", 31, 1, tmp / "never"), nproc=2)
     return tmp / "run"
-
-
-@pytest.fixture(scope="session")
-def torchrun_sweep(tmp_path_factory):
-    """`torchrun --nproc_per_node=2 src/train.py -m trainer.max_steps=2,3` with a model that raises a
-    Python warning on every rank as it is built: (the finished process, its sweep dir). What a sweep under
-    torchrun writes (test_train.py) and what two ranks print (test_console.py)."""
-    tmp = tmp_path_factory.mktemp("torchrun_sweep")
-    overrides = ["parallel=ddp", "model._target_=helpers.warning_mlp", "trainer.max_steps=2,3"]
-    proc = run_train(tmp / "unused", "-m", f"hydra.sweep.dir={tmp / 'sweep'}", *overrides, nproc=2)
-    return proc, tmp / "sweep"
 
 
 def pytest_addoption(parser):

@@ -1,5 +1,6 @@
 """What a user sees: a progress bar on a terminal, the periodic lines in a log file, one copy of
-each line and each Python warning (rank 0's), whatever the number of ranks."""
+each line and each Python warning (rank 0's), whatever the number of ranks (two ranks' lines: test_train.py,
+beside the torchrun sweep whose run they read)."""
 
 import fcntl
 import os
@@ -46,14 +47,3 @@ def test_a_terminal_gets_a_progress_bar_and_a_log_file_the_lines_only(tmp_path):
     logged = piped.stdout
     assert "\r" not in logged and "6/6 [" not in logged
     assert logged.count("step     3/6 | epoch 0 | loss") == 1 and "done: 6 steps" in logged
-
-
-@pytest.mark.slow
-def test_two_ranks_print_every_line_and_warning_once(torchrun_sweep):
-    # conftest.py: `torchrun --nproc_per_node=2 src/train.py -m parallel=ddp trainer.max_steps=2,3` with a
-    # model that warns on both ranks. Rank 0's warning shows once (Python's default filter: once per
-    # place in a process, here for both jobs); rank 1's never.
-    proc, _ = torchrun_sweep
-    assert proc.stderr.count("UserWarning: helpers.warning_mlp") == 1
-    assert proc.stdout.count("done: 2 steps") == 1 and proc.stdout.count("done: 3 steps") == 1
-    assert proc.stdout.count("trainkit | ddp x2") == 2  # one per job

@@ -174,10 +174,31 @@ def test_sync_bn_resnet18_under_ddp(tmp_path):
     assert weights(tmp_path)["bn1.num_batches_tracked"].item() == 2
 
 
+@pytest.fixture(scope="module")
+def torchrun_sweep(tmp_path_factory):
+    """`torchrun --nproc_per_node=2 src/train.py -m trainer.max_steps=2,3` with a model that raises a
+    Python warning on every rank as it is built: (the finished process, its sweep dir). What a sweep under
+    torchrun writes and what two ranks print: both tests in this file, so that the run is made once (a
+    session fixture is made once per xdist worker, and the suite's files go to two)."""
+    tmp = tmp_path_factory.mktemp("torchrun_sweep")
+    overrides = ["parallel=ddp", "model._target_=helpers.warning_mlp", "trainer.max_steps=2,3"]
+    proc = run_train(tmp / "unused", "-m", f"hydra.sweep.dir={tmp / 'sweep'}", *overrides, nproc=2)
+    return proc, tmp / "sweep"
+
+
+@pytest.mark.slow
+def test_two_ranks_print_every_line_and_warning_once(torchrun_sweep):
+    # Rank 0's warning shows once (Python's default filter: once per place in a process, here for both
+    # jobs); rank 1's never. (test_console.py: what one process shows on a terminal and in a log.)
+    proc, _ = torchrun_sweep
+    assert proc.stderr.count("UserWarning: helpers.warning_mlp") == 1
+    assert proc.stdout.count("done: 2 steps") == 1 and proc.stdout.count("done: 3 steps") == 1
+    assert proc.stdout.count("trainkit | ddp x2") == 2  # one per job
+
+
 @pytest.mark.slow
 def test_a_sweep_under_torchrun_runs_every_job_on_every_rank_into_one_dir_each(torchrun_sweep):
     # Each job builds its own process group in the same workers: under a store prefix of its own.
-    # (conftest.py: `torchrun --nproc_per_node=2 src/train.py -m trainer.max_steps=2,3`.)
     proc, sweep = torchrun_sweep
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"]

@@ -1,10 +1,10 @@
 """Train a model: `python src/train.py`, `torchrun --nproc_per_node=N src/train.py parallel=ddp`
 (or parallel=fsdp), sweeps with `python src/train.py -m accumulation.steps=1,2,4,8`. Config tree: conf/.
 
-Reads top to bottom: the optimizer step (window_batches, bare_step, optimizer_step); train(): data, resume
-point, model (a parent's weights, parameter groups by name), its step parts (trainkit/steps.py), what the run
-dir records, the loop (what comes after each step: trainkit/cadence.py), the end (weights, the test pass);
-then the entry point (main, run).
+Reads top to bottom: the optimizer step (window_batches, bare_step, optimizer_step); train(): data, resume point,
+model (a parent's weights, parameter groups by name), its step parts (trainkit/steps.py), what the run dir records
+(trainkit/records.py), the loop (what comes after each step: trainkit/cadence.py), the end (weights, the test
+pass); then the entry point (main, run).
 """
 
 import functools
@@ -20,14 +20,13 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, provenance, steps, stop
+from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, records, steps, stop
 from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device
 from trainkit.cadence import Cadence
-from trainkit.errors import ConfigError
-from trainkit.evaluate import evaluate, evaluate_averaged
+from trainkit.evaluate import evaluate_averaged
 from trainkit.halving import EvalBatches
 from trainkit.loading import TrainWindows
 from trainkit.loggers import make_logger
@@ -126,14 +125,9 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
 def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | None:
     seed_all(cfg.seed)  # the same initial weights on every rank
 
-    # Data. Rank 0 prepares (downloads) first. Every mode shards the train split the way
-    # DistributedSampler does (one shard in single mode), so step s trains on the same samples
-    # at any world size; the sampler's padding repeats never reach a forward.
-    with d.rank0_first():
-        splits = instantiate(cfg.data.splits)
-    train_set, val_set, test_set = heldout.unpack(splits, cfg.data.name)  # test None: it returns (train, val)
-    if len(train_set) == 0:
-        raise ConfigError(f"data: the training split of data={cfg.data.name} is empty")
+    # Data. Every mode shards the train split the way DistributedSampler does (one shard in single mode), so
+    # step s trains on the same samples at any world size; the sampler's padding repeats never reach a forward.
+    train_set, val_set, test_set = heldout.load(cfg.data, d)  # rank 0 prepares (downloads) first; test may be None
     auto = AutoBatch(cfg, d)  # micro-batch b and K; data.batch_size=auto: b = global / W, halved on out of memory
     # debug=limit, overfit, fast: fewer samples, taken in the data set's order before any sharding (any world size)
     global_batch = d.world_size * auto.batch_size * auto.K  # auto: b x K stays as b halves
@@ -146,12 +140,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     no_test, test_batches = heldout.skipped(test_set, cfg.data.name, train_set), None  # why no test pass, or None
     if cfg.trainer.test and test_set is not None and not no_test:  # at the end; auto: from val's fitting batch
         test_batches = EvalBatches(test_set, d, lambda: val_batches.batch_size, *eval_args, what="test")
-    steps_per_epoch = windows.layout.windows(cfg.data.drop_last)
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"data.drop_last=true drops every sample: the global batch {windows.layout.global_batch} "
-            f"is larger than the {len(train_set)} training samples"
-        )
+    steps_per_epoch = windows.layout.epoch_steps(cfg.data.drop_last)  # refused where drop_last drops every sample
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
     profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
@@ -164,8 +153,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
     # What is learned: the loss of a batch's items, the evaluation sums; task.teacher: a frozen run beside the model
-    # (a resume reads the copy in its run dir: the teacher's own dir may be gone)
-    # (a teacher of other data than cfg.data is refused here, before the run dir is written)
+    # (a resume reads its copy in the run dir; a teacher of other data than cfg.data is refused here)
     task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None, data=cfg.data)
     net = instantiate(parent.model_node(cfg))  # cfg.model less model.init
     # model.init.from: a finished run's weights, before wrapping. Not on a resume: its checkpoint holds the
@@ -193,24 +181,13 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     )
     if start is None:  # a run that stopped early, or is past this run's steps: nothing to train
         return selection.best  # None without a monitor
-    if d.is_main:
-        # Only now: a refused run leaves the run dir as it was. A data set's files: e.g. a corpus's vocabulary.
-        config.save(cfg, run_dir, getattr(train_set, "files", {}))
-        if chained is not None:  # the parent's weights and config kept with the run, for when its dir is gone
-            chained.copy_into(run_dir / "parent")
-        teachers.keep(teacher, run_dir)  # its copy in the run dir: a resume, eval.py, predict.py read that
-        # provenance.json: commit, diff, versions, command, world size, the parents' own records
-        # (a resume: its step and checkpoint; from another run's checkpoint, that run's record)
-        provenance.write(
-            run_dir, cfg, d.world_size, *((resumed["progress"]["step"], resumed["path"]) if resumed else ())
-        )
+    records.write_start(cfg, run_dir, d, train_set, chained, teacher, resumed)  # only now: a refused run writes none
 
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
     # EMA on: the average as val/*, the live weights as val_raw/*
     evaluation = functools.partial(evaluate_averaged, unwrap(model), ema, val_batches, d, autocast, task)
 
     step, val, stopping, pruned = start["step"], {}, None, False
-    log_every, eval_every, validates = cfg.trainer.log_every, cfg.trainer.eval_every, len(val_set) > 0  # once
     meter.start_clock()  # throughput counts training only, not start-up, evaluation or checkpoints
     with (
         make_logger(run_dir, cfg, d.is_main, resumed) as logger,
@@ -222,7 +199,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         logger.summary(efficiency.facts)  # summary.json and the logger backend's summary
         # The steps after which there is more to do than train; every step while these need it
         busy = console.bar is not None or profiler.steps is not None or stopper.counts
-        every = log_every, eval_every if validates else 0, cfg.checkpoint.every
+        every = cfg.trainer.log_every, cfg.trainer.eval_every if len(val_set) else 0, cfg.checkpoint.every
         cadence = Cadence(total_steps, *every, stopper, each_step=busy, start=step)
         for epoch in range(start["epoch"], epochs):
             first_window = start["window"] if epoch == start["epoch"] else 0
@@ -288,11 +265,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             val_batches.check()
         # model.pt (the last weights), model_ema.pt, model_best.pt; from here on the evaluated weights are the best's
         wrote = checkpointer.write_weights(unwrap(model), ema, selected, selection.best_step, run_dir)
-        test = {}
-        if test_batches is not None:  # trainer.test: the test split once, through the validation machinery
-            with selected.applied(unwrap(model)):  # the weights the monitor measured: best, else last
-                test = evaluate(unwrap(model), test_batches, d, autocast, task, prefix="test")
-            test_batches.check()
+        # trainer.test: the test split once, by the validation machinery, on the monitor's weights (best, else last)
+        if test := heldout.test_pass(unwrap(model), selected, test_batches, d, autocast, task):
             logger.log({"step": step, "epoch": step / steps_per_epoch} | test)  # one row (a resume replaces it)
             console.print(heldout.line(test, shown=headline(task)))
         console.print(done_line(step, val, selection, test, wrote, headline(task)))  # done: N steps, val, best, test

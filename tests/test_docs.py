@@ -143,6 +143,13 @@ def test_the_readme_links_every_docs_page():
         assert f"](docs/{page.name})" in readme, page.name
 
 
+def test_the_readme_and_train_py_stay_short():
+    """A newcomer reads both whole: the README at most 20,000 bytes (details go to docs/), src/train.py at most 300
+    lines (a concern that grows moves to its module; issue 58)."""
+    assert len((ROOT / "README.md").read_bytes()) <= 20_000
+    assert len((ROOT / "src" / "train.py").read_text().splitlines()) <= 300
+
+
 def test_every_rule_and_page_anchor_the_tree_cites_exists():
     assert rules() == set(range(1, len(rules()) + 1)) and len(rules()) >= 20  # numbered 1..N, none missing
     files = citing_files()

@@ -10,6 +10,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainkit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class EpochLayout:
@@ -47,6 +49,15 @@ class EpochLayout:
         if drop_last:
             return self.num_samples // self.global_batch
         return math.ceil(self.micro_batches / self.steps)
+
+    def epoch_steps(self, drop_last: bool) -> int:
+        """Optimizer steps per epoch; a one-line refusal where data.drop_last drops every sample."""
+        if (steps := self.windows(drop_last)) == 0:
+            raise ConfigError(
+                f"data.drop_last=true drops every sample: the global batch {self.global_batch} "
+                f"is larger than the {self.num_samples} training samples"
+            )
+        return steps
 
     def micro_steps(self, window: int) -> int:
         return min(self.steps, self.micro_batches - window * self.steps)

@@ -1,19 +1,35 @@
-"""The test split (trainer.test): what data.splits returns, unpacked, and how the test pass is said.
+"""The splits data.splits returns (loaded, unpacked) and the test split's pass (trainer.test), and how it is said.
 
 Every built-in data set returns (train, val, test); a data set of one's own may still return (train,
 val), as before the test split existed: it trains as it did, its test split is None, and the run says
 once that it makes no test pass (an error would break every fork's two-split function for a key that
-is on by default). The test pass itself is train.py's `evaluate(..., prefix="test")` over the test
-split's EvalBatches: the validation machinery, so every test sample counts once at any world size.
+is on by default). The test pass (test_pass) is `evaluate(..., prefix="test")` over the test split's EvalBatches:
+the validation machinery, so every test sample counts once at any world size.
 """
 
 from collections.abc import Sequence
 from typing import Any
 
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from trainkit.dist import Dist
 from trainkit.errors import ConfigError
+from trainkit.evaluate import evaluate
 from trainkit.progress import metrics_text
 
 SPLITS = ("train", "val", "test")  # the order of what data.splits returns
+
+
+def load(data: DictConfig, d: Dist) -> tuple[Any, Any, Any | None]:
+    """data.splits' (train, val, test), built on rank 0 first (it may download or prepare files); test is None for a
+    (train, val) pair. An empty training split is refused in one line."""
+    with d.rank0_first():
+        splits = instantiate(data.splits)
+    train, val, test = unpack(splits, data.name)
+    if len(train) == 0:
+        raise ConfigError(f"data: the training split of data={data.name} is empty")
+    return train, val, test
 
 
 def unpack(splits: Sequence[Any], name: str) -> tuple[Any, Any, Any | None]:
@@ -44,6 +60,17 @@ def skipped(test_set: Any | None, name: str, train_set: Any = None) -> str | Non
 def size(test_set: Any | None) -> str:
     """The start-up line's `T test`."""
     return "no test" if test_set is None else f"{len(test_set)} test"
+
+
+def test_pass(model: Any, selected: Any, batches: Any, d: Dist, autocast: Any, task: Any) -> dict[str, float]:
+    """The test split's metrics (`test/*`) on the weights `selected` applies (the monitor's best, else the last);
+    {} without a test pass (batches None) or where nothing fit."""
+    if batches is None:
+        return {}
+    with selected.applied(model):
+        test = evaluate(model, batches, d, autocast, task, prefix="test")
+    batches.check()  # auto: out of memory at a test batch of 1 ends the run
+    return test
 
 
 def line(metrics: dict[str, float], split: str = "test", shown: tuple[str, ...] = ()) -> str:

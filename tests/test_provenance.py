@@ -11,6 +11,45 @@ from helpers import run_in_process
 from trainkit import provenance
 
 
+def git(repo, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A repository of one commit: src/tracked.py and a .gitignore of *.log."""
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    git(repo, "init", "-q")
+    (repo / "src" / "tracked.py").write_text("a = 1\n")
+    (repo / ".gitignore").write_text("*.log\n")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    return repo
+
+
+def applied(repo, diff, tmp_path):
+    """A fresh clone of the repository's commit with the diff put on it by `git apply`."""
+    copy, patch = tmp_path / "copy", tmp_path / "patch.diff"
+    git(tmp_path, "clone", "-q", str(repo), str(copy))
+    patch.write_bytes(diff if isinstance(diff, bytes) else diff.encode())
+    git(copy, "apply", str(patch))
+    return copy
+
+
+def test_an_untracked_file_without_a_final_newline_is_recreated_exactly_by_git_apply(repo, tmp_path):
+    (repo / "src" / "last.py").write_bytes(b"x = 1\ny = 2")
+    _, diff = provenance.git_state(repo)
+    assert (applied(repo, diff, tmp_path) / "src" / "last.py").read_bytes() == b"x = 1\ny = 2"
+
+
+def test_a_git_ignored_file_is_not_listed_as_untracked(repo):
+    (repo / "src" / "train.log").write_text("step 1\n")  # *.log: ignored
+    (repo / "src" / "new.py").write_text("b = 2\n")
+    state, diff = provenance.git_state(repo)
+    assert list(state["untracked"]) == ["src/new.py"] and "train.log" not in str(diff)
+
+
 def test_a_dirty_tree_records_its_commit_and_the_diff_of_its_tracked_files(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -4,6 +4,7 @@ chain of 2 runs and the run without git are in tests/test_distil.py."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -121,12 +122,15 @@ def test_untracked_files_under_src_and_conf_make_the_tree_dirty_and_are_listed_w
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """A run of 2 steps, a run resumed in a new dir from its checkpoint, and predict.py and eval.py of that run."""
+    """A run of 2 steps, a run resumed in a new dir from its checkpoint, a copy of the first resumed in its own dir,
+    and predict.py and eval.py of the second."""
     root = tmp_path_factory.mktemp("chain")
     short = ("trainer.eval_every=100", "trainer.log_every=1", "model.width=16")
     run_in_process(root / "first", *short, "trainer.max_steps=2", "checkpoint.every=2")
     source = root / "first" / "checkpoints" / "step_00000002.pt"
     run_in_process(root / "second", *short, "trainer.max_steps=3", f"checkpoint.resume={source}")
+    shutil.copytree(root / "first", root / "again")  # resumed in its own dir (checkpoint.resume=auto)
+    run_in_process(root / "again", *short, "trainer.max_steps=3", "checkpoint.every=2")
     run_in_process(root / "predict", f"run_dir={root / 'second'}", script="predict")
     run_in_process(root / "eval", f"run_dir={root / 'second'}", script="eval")
     return root, source
@@ -138,6 +142,16 @@ def test_a_resume_from_another_run_s_checkpoint_records_its_source_and_step(chai
     assert record["resumed_from"]["checkpoint"] == str(source) and record["resumed_from"]["step"] == 2
     assert record["resumed_from"]["run_dir"] == str(root / "first")
     assert record["resumed_from"]["provenance"] == provenance.read(root / "first")  # the chain, traceable
+
+
+def test_a_resume_in_its_own_dir_records_its_checkpoint_and_step_beside_its_start(chain):
+    root, _ = chain
+    record = provenance.read(root / "again")
+    start = provenance.read(root / "first")
+    assert {k: record[k] for k in start} == start and "resumed_from" not in record  # the start, kept as it was
+    (resume,) = record["resumes"]
+    assert resume["step"] == 2 and resume["checkpoint"] == str(root / "again" / "checkpoints" / "step_00000002.pt")
+    assert resume["world_size"] == 1 and resume["git"]["commit"] == start["git"]["commit"]
 
 
 @pytest.mark.parametrize("script", ["predict", "eval"])

@@ -149,6 +149,33 @@ def test_init_excludes_by_glob_and_a_model_may_adapt_a_parents_tensor_to_its_sha
         load_into(short, OmegaConf.create({"from": str(tmp_path / "long.pt")}))
 
 
+def test_init_exclude_of_one_side_of_a_tied_weight_or_of_every_key_is_refused_naming_exclude(tmp_path):
+    """GPT's lm_head.weight is wte.weight (one tensor): excluding one side alone would load it through the other
+    (issue 58, 6: the start line said "left at its initialisation"). Both sides: both fresh."""
+    from trainkit.models.gpt import GPT
+
+    parent, child = (GPT(vocab_size=7, block_size=4, n_layer=1, n_head=2, n_embd=8) for _ in range(2))
+    torch.save(parent.state_dict(), tmp_path / "gpt.pt")
+    fresh = child.wte.weight.detach().clone()
+    init = lambda *globs: OmegaConf.create({"from": str(tmp_path / "gpt.pt"), "exclude": list(globs)})  # noqa: E731
+    with pytest.raises(ConfigError) as refused:
+        load_into(child, init("lm_head.weight"))
+    assert str(refused.value) == (
+        "model.init.exclude: lm_head.weight is tied to wte.weight (one tensor of GPT): exclude both or neither"
+    )
+    with pytest.raises(ConfigError, match=r"^model.init.exclude=\[\*\] excludes every key of the model: nothing"):
+        load_into(child, init("*"))
+    assert torch.equal(child.wte.weight, fresh)  # a refusal loads nothing
+    lines: list[str] = []
+    load_into(child, init("lm_head.weight", "wte.weight"), lines.append)
+    assert torch.equal(child.lm_head.weight, fresh) and torch.equal(child.wpe.weight, parent.wpe.weight)
+    assert lines[1] == "model.init: left at their initialisation (model.init.exclude): wte.weight, lm_head.weight"
+    untied = {k: v for k, v in parent.state_dict().items() if k != "lm_head.weight"}  # saved once, as some tools do
+    torch.save(untied, tmp_path / "once.pt")
+    load_into(child, OmegaConf.create({"from": str(tmp_path / "once.pt")}), lines.append)  # strict: it loads, via wte
+    assert torch.equal(child.lm_head.weight, parent.wte.weight) and lines[-1].startswith("model.init: 17 of 17")
+
+
 def test_a_group_keeps_decay_norms_and_biases_false_and_a_partly_frozen_batchnorm_trains():
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.Linear(3, 1))
     cfg = helpers.compose_cfg(

@@ -247,3 +247,19 @@ def test_predict_and_eval_on_a_world_size_that_does_not_divide_the_run_s_global_
     assert embedded["index"].tolist() == list(range(359)) and embedded["embedding"].shape[0] == 359
     run_in_process(tmp_path / "eval3", f"run_dir={run_dir}", script="eval", nproc=3)
     assert 0 <= json.loads((tmp_path / "eval3" / "metrics.json").read_text())["test/knn_acc"] <= 1
+
+
+def test_the_run_s_batch_resolves_at_the_world_size_of_its_newest_start(tmp_path, capsys):
+    """A run started on 1 rank and resumed on 2, then 4: its ${micro_batch:16,1,${world_size:}} last resolved at 4
+    (4 per rank); predict.py and eval.py resolve it there too, not at the first start's 1 (16 per rank)."""
+    from trainkit.rundir import run_batch_size
+
+    record = {"world_size": 1, "resumes": [{"step": 2, "world_size": 2}, {"step": 5, "world_size": 4}]}
+    (tmp_path / "provenance.json").write_text(json.dumps(record))
+    run_cfg = OmegaConf.create({"data": {"batch_size": "${micro_batch:16,1,${world_size:}}"}})
+    job = Dist(rank=0, local_rank=0, world_size=3, device=torch.device("cpu"))
+    assert run_batch_size(OmegaConf.create({"run_dir": str(tmp_path)}), run_cfg, job) == 4
+    assert capsys.readouterr().out == (
+        "data.batch_size resolves at the run's own world size 4: batch 4 per rank (not at this job's 3; "
+        "batch_size= sets another)\n"
+    )

@@ -134,6 +134,28 @@ def _keys(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" ... ({len(keys)})" if len(keys) > 4 else "")
 
 
+def tied_keys(model: torch.nn.Module) -> list[list[str]]:
+    """The state_dict keys that name one tensor, in groups of 2 or more (GPT's wte.weight and lm_head.weight):
+    loading either key loads all of them."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.numel():  # empty tensors may share a null storage without being one tensor
+            view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+            groups.setdefault(view, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _refuse_half_ties(model: torch.nn.Module, ties: list[list[str]], excluded: list[str]) -> None:
+    """model.init.exclude of one side of a tie alone would keep nothing fresh: the other side loads the tensor."""
+    for names in ties:
+        if (out := [k for k in names if k in excluded]) and len(out) < len(names):
+            kept = ", ".join(k for k in names if k not in excluded)
+            raise ConfigError(
+                f"model.init.exclude: {', '.join(out)} is tied to {kept} (one tensor of {type(model).__name__}): "
+                "exclude both or neither"
+            )
+
+
 INIT_KEYS = ("from", "weights", "strict", "map", "exclude")
 
 
@@ -169,7 +191,9 @@ def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent 
     one line. Shapes must fit, or the model's `adapt_init(name, parent_tensor)` returns the tensor in its own shape
     (None: it cannot; refused). Strict: every other key of the model loaded and every (mapped) key of the parent
     used, else the keys left at their initialisation and those not used are said in one line each. No key at all
-    loaded is refused either way (a wrong map)."""
+    loaded is refused either way (a wrong map), and so is an exclude of every key. Tied keys (one tensor under two
+    names: GPT's wte.weight, lm_head.weight) load together: excluding one side alone is refused, and a parent
+    holding one side loads both."""
     if init is None or init.get("from") is None:
         return None
     parent = Parent.open(init["from"], init.get("weights", "last"))
@@ -182,6 +206,13 @@ def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent 
     if idle := [g for g in globs if not any(fnmatch.fnmatchcase(k, g) for k in [*own, *state])]:
         raise ConfigError(f"model.init.exclude=[{', '.join(idle)}] matches no key of the model ({_keys(list(own))})")
     excluded = [k for k in own if any(fnmatch.fnmatchcase(k, g) for g in globs)]
+    if len(excluded) == len(own):
+        raise ConfigError(
+            f"model.init.exclude=[{', '.join(globs)}] excludes every key of the model: nothing to load "
+            "(model.init.from=null starts it fresh)"
+        )
+    ties = tied_keys(model)
+    _refuse_half_ties(model, ties, excluded)
     state = {k: v for k, v in state.items() if not any(fnmatch.fnmatchcase(k, g) for g in globs)}
     adapted = []
     if shaped := [k for k in state if k in own and state[k].shape != own[k].shape]:
@@ -202,7 +233,10 @@ def load_into(model: torch.nn.Module, init: DictConfig, print0=print) -> Parent 
             adapted.append(f"{k} {list(state[k].shape)} -> {list(own[k].shape)}")
             state[k] = tensor
     own = {k: v for k, v in own.items() if k not in excluded}
-    missing, unused = [k for k in own if k not in state], [k for k in state if k not in own]
+    # a key the parent lacks is loaded all the same when a key tied to it is (a parent saved with each tensor once)
+    through_tie = {k for names in ties if any(n in state for n in names) for k in names}
+    missing = [k for k in own if k not in state and k not in through_tie]
+    unused = [k for k in state if k not in own]
     if len(missing) == len(own):
         raise ConfigError(f"{source}: no key of the model is in it (model.init.map renames prefixes: {mapping})")
     if init.get("strict", True) and (missing or unused):

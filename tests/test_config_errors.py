@@ -252,3 +252,29 @@ def test_a_group_set_to_null_or_a_sweep_in_a_dict_is_one_line_naming_the_right_f
         )
     assert err.strip().splitlines() == [f"error: {message}"] and "Traceback" not in out + err
     assert not (tmp_path / "run").exists()
+
+
+IN_AN_EXPERIMENT = [  # (the experiment's yaml, the line): a wrong type inside a yaml, not on the command line (58, 8)
+    ("trainer:\n  max_steps: abc\n", "In 'experiment/mine': trainer.max_steps=abc must be an integer"),
+    ("parents: model.init.from\n", "In 'experiment/mine': parents=model.init.from must be a dict"),
+    (
+        "parents:\n  model.init.from: model=cnn\n",
+        "In 'experiment/mine': parents.model.init.from=model=cnn must be a list",
+    ),
+]
+
+
+@pytest.mark.parametrize("yaml,message", IN_AN_EXPERIMENT, ids=[m.partition(": ")[2] for _, m in IN_AN_EXPERIMENT])
+def test_a_wrong_type_inside_an_experiment_names_the_file_the_key_the_value_and_the_type(
+    tmp_path, capsys, monkeypatch, yaml, message
+):
+    """Hydra wraps OmegaConf's refusal of a yaml's value as "In 'experiment/mine': ValidationError raised while
+    composing config:" and keeps the refusal (key, value, type) as the exception's context. The experiment comes
+    from a conf dir of this test's own (hydra.searchpath), as a fork's conf/experiment/mine.yaml would."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(f"# @package _global_\n{yaml}")
+    overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=mine"]
+    status = cli_in_process(overrides, tmp_path / "run", monkeypatch)
+    out, err = capsys.readouterr()
+    assert status == 2 and err.strip().splitlines() == [f"error: {message}"], err
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists()

@@ -507,6 +507,8 @@ _WANTED = {  # OmegaConf's type errors -> what the key takes
     "not a valid bool": "true or false",
     "to string": "a string",
     "ListConfig, list or tuple": "a list",
+    "type hint 'typing.List": "a list",  # a yaml's value where the schema has a list, e.g. a parent's overrides
+    "to Dict[": "a dict",  # e.g. an experiment's `parents: model.init.from`
     "is not Optional": "set (not null)",
 }
 
@@ -528,6 +530,8 @@ def _one_line(error: BaseException) -> str | None:
         return unquoted
     if (refused := _refusal(error.__cause__)) is not None:
         return refused
+    if (refused := _refused_in_a_yaml(error)) is not None:
+        return refused
     if isinstance(error, ConfigCompositionException | OverrideParseException):
         return " ".join(str(error).split("\n")[0].split())
     if isinstance(error, UnsupportedInterpolationType):  # e.g. --cfg job --resolve: before the options load
@@ -536,6 +540,18 @@ def _one_line(error: BaseException) -> str | None:
             "own as the run loads it; `--cfg job` without --resolve prints the config)"
         )
     return None
+
+
+_COMPOSING = re.compile(r"In '(.+?)': \w+ raised while composing config:")
+
+
+def _refused_in_a_yaml(error: BaseException) -> str | None:
+    """A wrong type inside a yaml (an experiment's `trainer: {max_steps: abc}`): Hydra names the file in its first
+    line and OmegaConf's refusal only below it, raised while handling the refusal (its __context__, not __cause__)."""
+    where = _COMPOSING.match(str(error)) if isinstance(error, ConfigCompositionException) else None
+    if where is None or (refused := _refusal(error.__context__)) is None:
+        return None
+    return f"In '{where.group(1)}': {refused}"
 
 
 def _null_group(error: ValueError) -> str | None:

@@ -341,3 +341,47 @@ def test_a_catalogue_line_may_leave_out_an_option_a_fork_added_but_not_one_the_p
     assert disagreement("model=vit is not one of: mlp, cnn, timm", printed, page).startswith("lists options")
     assert disagreement("model=vit is not one of: cnn, gone, mlp, timm", printed, page).startswith("lists options")
     assert disagreement("model=vit is no option: cnn, mlp, timm", printed, page) == "printed another line"
+
+
+def started_under(torch_version: str, monkeypatch) -> tuple[bool, int | None]:
+    """config.run_cli (train.py's, eval.py's, predict.py's start) with torch.__version__ faked: whether the entry
+    point ran, and the exit status (None: no exit)."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setitem(os.environ, "HYDRA_FULL_ERROR", "0")  # run_cli sets it to 1 for its own handling
+    started = []
+    try:
+        config.run_cli(lambda: started.append(True))
+    except SystemExit as exit:
+        return bool(started), exit.code
+    return bool(started), None
+
+
+@pytest.mark.parametrize("metadata", ["installed", "absent"])
+def test_a_torch_older_than_the_floor_is_refused_in_one_line_at_start(capsys, monkeypatch, metadata):
+    """pyproject.toml's torch floor, read from the installed package's metadata, else (a checkout run without
+    `pip install`) from pyproject.toml itself: an older torch is one line naming both versions, exit 2."""
+    import importlib.metadata
+
+    required = next(r for r in importlib.metadata.requires("trainkit") or [] if r.startswith("torch>="))
+    if metadata == "absent":
+
+        def absent(name):
+            raise importlib.metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(importlib.metadata, "requires", absent)
+    assert started_under("2.10.0+cpu", monkeypatch) == (False, 2)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: torch 2.10.0+cpu is installed; trainkit needs {required}: pip install"), line
+
+
+def test_the_floor_s_release_and_its_builds_start():
+    """The floor's release, a CUDA build of it and a source or nightly build of it (a pre-release by its number)
+    pass; the check says nothing."""
+    import importlib.metadata
+
+    floor = next(r for r in importlib.metadata.requires("trainkit") or [] if r.startswith("torch>="))[7:]
+    for version in (floor, f"{floor}.0+cu130", f"{floor}.0a0+git1234567", f"{floor}.0.dev20260101"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            assert started_under(version, monkeypatch) == (True, None), version

@@ -7,6 +7,7 @@ and train.run); a few cases run the real command end to end for the exit status 
 
 import os
 import re
+import shlex
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -252,3 +253,135 @@ def test_a_group_set_to_null_or_a_sweep_in_a_dict_is_one_line_naming_the_right_f
         )
     assert err.strip().splitlines() == [f"error: {message}"] and "Traceback" not in out + err
     assert not (tmp_path / "run").exists()
+
+
+IN_AN_EXPERIMENT = [  # (the experiment's yaml, the line): a wrong type inside a yaml, not on the command line (58, 8)
+    ("trainer:\n  max_steps: abc\n", "In 'experiment/mine': trainer.max_steps=abc must be an integer"),
+    ("parents: model.init.from\n", "In 'experiment/mine': parents=model.init.from must be a dict"),
+    (
+        "parents:\n  model.init.from: model=cnn\n",
+        "In 'experiment/mine': parents.model.init.from=model=cnn must be a list",
+    ),
+]
+
+
+@pytest.mark.parametrize("yaml,message", IN_AN_EXPERIMENT, ids=[m.partition(": ")[2] for _, m in IN_AN_EXPERIMENT])
+def test_a_wrong_type_inside_an_experiment_names_the_file_the_key_the_value_and_the_type(
+    tmp_path, capsys, monkeypatch, yaml, message
+):
+    """Hydra wraps OmegaConf's refusal of a yaml's value as "In 'experiment/mine': ValidationError raised while
+    composing config:" and keeps the refusal (key, value, type) as the exception's context. The experiment comes
+    from a conf dir of this test's own (hydra.searchpath), as a fork's conf/experiment/mine.yaml would."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(f"# @package _global_\n{yaml}")
+    overrides = [f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=mine"]
+    status = cli_in_process(overrides, tmp_path / "run", monkeypatch)
+    out, err = capsys.readouterr()
+    assert status == 2 and err.strip().splitlines() == [f"error: {message}"], err
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists()
+
+
+# docs/config.md's catalogue: `$ python src/train.py <overrides>` and the `error: ...` line it prints (58, 11).
+DOCUMENTED = ROOT / "docs" / "config.md"
+# A group's options in a line: after "is not one of: " (at the end), or in "its options' names (...)".
+OPTION_LIST = re.compile(r"(?<=is not one of: )[\w, ]+$|(?<=options' names \()[\w, ]+(?=\))")
+
+
+def documented_errors(page=DOCUMENTED) -> list[tuple[list[str], str]]:
+    """Each command of the page's plain ``` blocks with the `error:` line documented under it: (overrides, line)."""
+    found, fenced, command = [], False, None
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced, command = not fenced, None
+        elif fenced and line.startswith("$ python src/train.py"):
+            command = [word for word in shlex.split(line[2:])[2:] if word not in ("-m", "--multirun")]
+        elif fenced and command is not None and line.startswith("error: "):
+            found.append((command, line.removeprefix("error: ")))
+            command = None
+    return found
+
+
+def disagreement(documented: str, printed: str, page_text: str) -> str | None:
+    """None when the documented line is what was printed: the same words, a prefix where the page ends it with
+    "...", and a group's options listed as printed, less those of a fork's own: an option the page names
+    (`name` or group=name) must be listed, one it never names (a fork's own) may be missing."""
+    if documented.endswith("..."):
+        return None if printed.startswith(documented.removesuffix("...")) else "printed another line"
+    if OPTION_LIST.sub("{}", documented) != OPTION_LIST.sub("{}", printed):
+        return "printed another line"
+    for listed, options in zip(OPTION_LIST.findall(documented), OPTION_LIST.findall(printed), strict=True):
+        listed_options = listed.split(", ")
+        missing = [o for o in options.split(", ") if o not in listed_options]
+        if listed_options != [o for o in options.split(", ") if o in listed_options]:
+            return f"lists options the group lacks, or out of order: {listed}"
+        if named := [o for o in missing if re.search(rf"`{re.escape(o)}`|={re.escape(o)}\b", page_text)]:
+            return f"leaves out {', '.join(named)}"
+    return None
+
+
+def test_config_md_s_catalogue_is_what_each_command_prints(tmp_path, capsys, monkeypatch):
+    """Every command of docs/config.md's catalogue, run in this process as the catalogue above is, prints the line
+    documented under it (what it caught first: model=vit's line listed 4 of the 7 models)."""
+    catalogue, page_text = documented_errors(), DOCUMENTED.read_text()
+    assert len(catalogue) >= 10
+    stale = []
+    for i, (overrides, documented) in enumerate(catalogue):
+        assert cli_in_process(overrides, tmp_path / f"run{i}", monkeypatch) == 2
+        printed = capsys.readouterr().err.strip().removeprefix("error: ")
+        if (why := disagreement(documented, printed, page_text)) is not None:
+            stale.append(f"{' '.join(overrides)}: {why}\n  documented: {documented}\n  printed:    {printed}")
+    assert not stale, "\n".join(stale)
+
+
+def test_a_catalogue_line_may_leave_out_an_option_a_fork_added_but_not_one_the_page_names():
+    page = "| `model=` | `mlp`, `cnn` |\n| `model=timm`: ... |"
+    printed = "model=vit is not one of: cnn, masked_mlp, mlp, timm"
+    assert disagreement("model=vit is not one of: cnn, mlp, timm", printed, page) is None  # masked_mlp: a fork's
+    assert disagreement("model=vit is not one of: cnn, mlp", printed, page) == "leaves out timm"
+    assert disagreement("model=vit is not one of: mlp, cnn, timm", printed, page).startswith("lists options")
+    assert disagreement("model=vit is not one of: cnn, gone, mlp, timm", printed, page).startswith("lists options")
+    assert disagreement("model=vit is no option: cnn, mlp, timm", printed, page) == "printed another line"
+
+
+def started_under(torch_version: str, monkeypatch) -> tuple[bool, int | None]:
+    """config.run_cli (train.py's, eval.py's, predict.py's start) with torch.__version__ faked: whether the entry
+    point ran, and the exit status (None: no exit)."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setitem(os.environ, "HYDRA_FULL_ERROR", "0")  # run_cli sets it to 1 for its own handling
+    started = []
+    try:
+        config.run_cli(lambda: started.append(True))
+    except SystemExit as exit:
+        return bool(started), exit.code
+    return bool(started), None
+
+
+@pytest.mark.parametrize("metadata", ["installed", "absent"])
+def test_a_torch_older_than_the_floor_is_refused_in_one_line_at_start(capsys, monkeypatch, metadata):
+    """pyproject.toml's torch floor, read from the installed package's metadata, else (a checkout run without
+    `pip install`) from pyproject.toml itself: an older torch is one line naming both versions, exit 2."""
+    import importlib.metadata
+
+    required = next(r for r in importlib.metadata.requires("trainkit") or [] if r.startswith("torch>="))
+    if metadata == "absent":
+
+        def absent(name):
+            raise importlib.metadata.PackageNotFoundError(name)
+
+        monkeypatch.setattr(importlib.metadata, "requires", absent)
+    assert started_under("2.10.0+cpu", monkeypatch) == (False, 2)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: torch 2.10.0+cpu is installed; trainkit needs {required}: pip install"), line
+
+
+def test_the_floor_s_release_and_its_builds_start():
+    """The floor's release, a CUDA build of it and a source or nightly build of it (a pre-release by its number)
+    pass; the check says nothing."""
+    import importlib.metadata
+
+    floor = next(r for r in importlib.metadata.requires("trainkit") or [] if r.startswith("torch>="))[7:]
+    for version in (floor, f"{floor}.0+cu130", f"{floor}.0a0+git1234567", f"{floor}.0.dev20260101"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            assert started_under(version, monkeypatch) == (True, None), version

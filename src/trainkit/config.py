@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import os
 import re
 import signal
@@ -28,6 +29,8 @@ from omegaconf.errors import (
     UnsupportedInterpolationType,
     ValidationError,
 )
+from packaging.requirements import Requirement  # hydra-core's dependency
+from packaging.version import InvalidVersion, Version
 
 from trainkit import dist, launch, loggers, optim, options, parent, schema, stop
 from trainkit.errors import ConfigError, RankError, RunError, Stopped, user_error
@@ -470,6 +473,10 @@ def run_cli(main: Callable[[], Any]) -> None:
     HYDRA_FULL_ERROR=1 shows Hydra's own report with the full traceback instead. A signal before the
     loop watches for it ends the process in one line with 128 + the signal, as does Ctrl-C (130)."""
     stop.stop_at_once()  # SIGTERM, SIGUSR1 from here on: one line, not the default action's silent death
+    try:
+        check_torch()
+    except ConfigError as error:
+        _refuse(str(error))
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return
@@ -485,16 +492,60 @@ def run_cli(main: Callable[[], Any]) -> None:
                 remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         sys.exit(128 + signal.SIGINT)
     except ConfigError as error:  # refused outside a job: e.g. by the sweeper (trainkit.search.sweeper)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _refuse(str(error))
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         message = _null_group(error) if type(error) is ValueError else _one_line(error)
         if message is None:
             raise
-        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _refuse(message)
+
+
+def _refuse(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # every rank fails alike: say it once
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+PACKAGE = __name__.partition(".")[0]  # trainkit (a renamed fork's own name)
+
+
+def check_torch() -> None:
+    """An installed torch below pyproject.toml's floor: one line at start, not an AttributeError deep in a run.
+    A pre-release or source build of the floor's release (2.11.0a0+git...) passes: its number sorts below 2.11."""
+    import torch
+
+    required = torch_requirement()
+    try:
+        release = Version(str(torch.__version__)).base_version  # 2.11.0+cu130 -> 2.11.0
+    except InvalidVersion:
+        return  # a build that names itself otherwise: nothing to compare
+    if required is not None and not required.specifier.contains(release, prereleases=True):
+        raise ConfigError(
+            f"torch {torch.__version__} is installed; {PACKAGE} needs {required}: pip install -U '{required}' "
+            "(a CUDA build: pytorch.org's command for your CUDA version; constraints.txt names the tested release)"
+        )
+
+
+def torch_requirement() -> Requirement | None:
+    """pyproject.toml's `torch>=...`, as the installed package's metadata states it, else (a checkout run without
+    `pip install`) as pyproject.toml itself does; None where neither can be read."""
+    try:
+        requirements = importlib.metadata.requires(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = _source_requirements()
+    found = (Requirement(text) for text in requirements)
+    return next((r for r in found if r.name == "torch" and r.marker is None), None)
+
+
+def _source_requirements() -> list[str]:
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib  # Python 3.11
+    except ImportError:
+        return []
+    if not pyproject.is_file():
+        return []
+    return tomllib.loads(pyproject.read_text())["project"].get("dependencies", [])
 
 
 INTERRUPTED = "stopped by SIGINT (Ctrl-C); the steps since the newest checkpoint are lost (SIGTERM checkpoints first)"
@@ -507,6 +558,8 @@ _WANTED = {  # OmegaConf's type errors -> what the key takes
     "not a valid bool": "true or false",
     "to string": "a string",
     "ListConfig, list or tuple": "a list",
+    "type hint 'typing.List": "a list",  # a yaml's value where the schema has a list, e.g. a parent's overrides
+    "to Dict[": "a dict",  # e.g. an experiment's `parents: model.init.from`
     "is not Optional": "set (not null)",
 }
 
@@ -528,6 +581,8 @@ def _one_line(error: BaseException) -> str | None:
         return unquoted
     if (refused := _refusal(error.__cause__)) is not None:
         return refused
+    if (refused := _refused_in_a_yaml(error)) is not None:
+        return refused
     if isinstance(error, ConfigCompositionException | OverrideParseException):
         return " ".join(str(error).split("\n")[0].split())
     if isinstance(error, UnsupportedInterpolationType):  # e.g. --cfg job --resolve: before the options load
@@ -536,6 +591,18 @@ def _one_line(error: BaseException) -> str | None:
             "own as the run loads it; `--cfg job` without --resolve prints the config)"
         )
     return None
+
+
+_COMPOSING = re.compile(r"In '(.+?)': \w+ raised while composing config:")
+
+
+def _refused_in_a_yaml(error: BaseException) -> str | None:
+    """A wrong type inside a yaml (an experiment's `trainer: {max_steps: abc}`): Hydra names the file in its first
+    line and OmegaConf's refusal only below it, raised while handling the refusal (its __context__, not __cause__)."""
+    where = _COMPOSING.match(str(error)) if isinstance(error, ConfigCompositionException) else None
+    if where is None or (refused := _refusal(error.__context__)) is None:
+        return None
+    return f"In '{where.group(1)}': {refused}"
 
 
 def _null_group(error: ValueError) -> str | None:

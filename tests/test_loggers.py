@@ -173,3 +173,25 @@ def test_a_run_branched_from_another_run_s_checkpoint_is_a_new_mlflow_run_that_n
     assert sorted(m.step for m in client.get_metric_history(ids[b], "loss")) == [6, 8]  # B's rows alone
     assert parent.data.params["optim.lr"] != "0.01" and child.data.params["optim.lr"] == "0.01"
     assert child.data.tags["branched_from.run_id"] == ids[a] and child.data.tags["branched_from.step"] == "4"
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "file:///tmp/mlruns"])
+def test_mlflow_tracking_uri_naming_a_file_store_is_one_line_exit_2_and_no_run_dir(uri, tmp_path, capsys, monkeypatch):
+    """MLflow 3 refuses its file store (maintenance mode) with a traceback, after the run dir was written."""
+    from test_config_errors import cli_in_process
+
+    from helpers import compose_cfg
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # ./mlruns: where it would be
+    assert cli_in_process(["logger=mlflow"], tmp_path / "run", monkeypatch) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        f"error: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow no longer keeps up (it refuses it "
+        "without MLFLOW_ALLOW_FILE_STORE=true): set it to a database (sqlite:///<path>/mlflow.db) or unset it "
+        "(logger=mlflow's store: outputs/mlflow.db)"
+    ]
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists() and not (tmp_path / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own switch, the user's choice: accepted
+    loggers.check(compose_cfg("logger=mlflow"))

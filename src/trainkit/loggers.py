@@ -10,6 +10,7 @@ beside the id (`logger_store`: backend and store), and a resume continues the ru
 store: elsewhere (another store, W&B's run resumed with logger=mlflow) it starts a new run and says so in one line.
 Only in its own run dir: a run branched from another run dir's checkpoint (checkpoint.resume=<its path> in a new
 hydra.run.dir) is a new run, and a backend with `branched_from(parent)` records there the run it came from.
+A backend may also refuse, with `check(cfg)`, a setting it would fail on late (config.check calls it).
 """
 
 import contextlib
@@ -21,10 +22,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, cast
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import provenance
+from trainkit.errors import ConfigError
 
 RUN_ID = "logger_run_id"  # the checkpoint's key for Backend.run_id
 OLD_RUN_ID = "wandb_run_id"  # what checkpoints written before the rename hold
@@ -49,6 +52,13 @@ class Backend(Protocol):
 def is_test_row(row: dict) -> bool:
     """The row of the test pass at the end of a run (test/loss, test/acc, ...)."""
     return any(key.startswith("test/") for key in row)
+
+
+def check(cfg: DictConfig) -> None:
+    """The chosen backend's own refusals (its optional `check(cfg)`), before the run dir is written."""
+    chosen = BACKENDS.get(cfg.logger.name)
+    if chosen is not None and (refuse := getattr(chosen, "check", None)) is not None:
+        refuse(cfg)
 
 
 def saved_run_id(state: dict) -> str | None:
@@ -166,6 +176,19 @@ class MLflowLogger:
     @staticmethod
     def store(run_dir: Path, cfg: DictConfig) -> str:
         return mlflow_store(Path(run_dir))
+
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """MLflow 3 refuses its file store (./mlruns, file://...: maintenance mode) with a traceback, which would come
+        after the run dir is written: said here, in one line, unless the user opted in (MLFLOW_ALLOW_FILE_STORE)."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")  # MLflow's own parsing
+        if uri and urlparse(uri).scheme in ("", "file") and not allowed:
+            raise ConfigError(
+                f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow no longer keeps up (it refuses it "
+                "without MLFLOW_ALLOW_FILE_STORE=true): set it to a database (sqlite:///<path>/mlflow.db) or unset "
+                f"it (logger=mlflow's store: {DEFAULT_STORE})"
+            )
 
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
         from mlflow.entities import Param, RunStatus

@@ -159,6 +159,20 @@ def branched_runs(tmp_path_factory):
     return project, a, b
 
 
+def test_the_default_mlflow_store_is_outputs_mlflow_db_where_the_command_started_not_in_the_run_dir(branched_runs):
+    project, a, b = branched_runs
+    from mlflow.tracking import MlflowClient
+
+    assert (project / "outputs" / "mlflow.db").is_file()
+    store = f"sqlite:///{project / 'outputs' / 'mlflow.db'}"
+    client = MlflowClient(store)
+    assert len(client.search_runs([client.get_experiment_by_name("trainkit").experiment_id])) == 2  # A's and B's
+    for run_dir in (a, b):
+        saved = torch.load(run_dir / "checkpoints" / "step_00000008.pt", weights_only=True)
+        assert saved["logger_store"] == {"backend": "mlflow", "store": store}
+        assert not list(run_dir.rglob("mlflow.db*")) and not (run_dir / "outputs").exists()
+
+
 def test_a_run_branched_from_another_run_s_checkpoint_is_a_new_mlflow_run_that_names_its_parent(branched_runs):
     project, a, b = branched_runs
     from mlflow.tracking import MlflowClient

@@ -1,5 +1,6 @@
 """trainkit/loggers.py: a backend is one class and one yaml; logger=mlflow's run read back through MLflow's own
-API, continued by a resume (also from a checkpoint that names the run id the old way, wandb_run_id)."""
+API, continued by a resume in its run dir (also from a checkpoint that names the run id the old way, wandb_run_id),
+a new run that names its parent in a run dir branched from another run's checkpoint."""
 
 from pathlib import Path
 
@@ -120,10 +121,11 @@ def test_a_resume_continues_its_mlflow_run_in_the_same_store_and_starts_a_new_on
     store, _, (run_id, _) = mlflow_store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     cfg = compose_cfg("logger=mlflow")
-    same = {"logger_run_id": run_id, "logger_store": {"backend": "mlflow", "store": store}, "progress": {"step": 20}}
+    own = {"path": str(tmp_path / "checkpoints" / "step_00000020.pt"), "progress": {"step": 20}}  # this run dir's
+    same = own | {"logger_run_id": run_id, "logger_store": {"backend": "mlflow", "store": store}}
     elsewhere = same | {"logger_store": {"backend": "mlflow", "store": "sqlite:////elsewhere/mlflow.db"}}
     wandb = same | {"logger_run_id": "1a2b3c4d", "logger_store": {"backend": "wandb", "store": "me/trainkit"}}
-    unknown = {"logger_run_id": "0" * 32, "progress": {"step": 20}}  # a checkpoint from before the store was kept
+    unknown = own | {"logger_run_id": "0" * 32}  # a checkpoint from before the store was kept
     for resume, continued in ((same, True), (elsewhere, False), (wandb, False), (unknown, False)):
         with loggers.make_logger(tmp_path, cfg, True, resume) as logger:
             assert logger.run is not None and (logger.run["id"] == resume["logger_run_id"]) is continued
@@ -134,3 +136,76 @@ def test_a_resume_continues_its_mlflow_run_in_the_same_store_and_starts_a_new_on
         else:
             assert len(said) == 1 and said[0].startswith(f"logger: the checkpoint's run {resume['logger_run_id']} ")
             assert said[0].endswith(f"a new mlflow run in {store}")
+
+
+# --- a run branched from another run's checkpoint (a new run dir): a new logger run that names its parent ---------
+
+
+BRANCHED = ["logger=mlflow", "trainer.max_steps=8", "trainer.log_every=2", "checkpoint.every=4", "trainer.test=false"]
+
+
+@pytest.fixture(scope="module")
+def branched_runs(tmp_path_factory):
+    """Run A (8 steps), then run B in a new dir from A's step-4 checkpoint with another lr, both into the default
+    store (MLFLOW_TRACKING_URI unset), the command started in `project`: (project, A's dir, B's dir)."""
+    root = tmp_path_factory.mktemp("branched")
+    project, a, b = root / "project", root / "a", root / "b"
+    project.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.chdir(project)  # Hydra's original cwd (HydraConfig is not set in process: the cwd)
+        run_in_process(a, *BRANCHED)
+        run_in_process(b, *BRANCHED, f"checkpoint.resume={a / 'checkpoints' / 'step_00000004.pt'}", "optim.lr=0.01")
+    return project, a, b
+
+
+def test_the_default_mlflow_store_is_outputs_mlflow_db_where_the_command_started_not_in_the_run_dir(branched_runs):
+    project, a, b = branched_runs
+    from mlflow.tracking import MlflowClient
+
+    assert (project / "outputs" / "mlflow.db").is_file()
+    store = f"sqlite:///{project / 'outputs' / 'mlflow.db'}"
+    client = MlflowClient(store)
+    assert len(client.search_runs([client.get_experiment_by_name("trainkit").experiment_id])) == 2  # A's and B's
+    for run_dir in (a, b):
+        saved = torch.load(run_dir / "checkpoints" / "step_00000008.pt", weights_only=True)
+        assert saved["logger_store"] == {"backend": "mlflow", "store": store}
+        assert not list(run_dir.rglob("mlflow.db*")) and not (run_dir / "outputs").exists()
+
+
+def test_a_run_branched_from_another_run_s_checkpoint_is_a_new_mlflow_run_that_names_its_parent(branched_runs):
+    project, a, b = branched_runs
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{project / 'outputs' / 'mlflow.db'}")
+    ids = {d: torch.load(d / "checkpoints" / "step_00000008.pt", weights_only=True)["logger_run_id"] for d in (a, b)}
+    parent, child = client.get_run(ids[a]), client.get_run(ids[b])
+    assert ids[a] != ids[b] and parent.info.status == child.info.status == "FINISHED"
+    for run, run_dir in ((parent, a), (child, b)):  # each run's rows once at their step, as its metrics.jsonl
+        logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+        assert sorted(logged) == [row["step"] for row in rows(run_dir)], run_dir
+    assert sorted(m.step for m in client.get_metric_history(ids[b], "loss")) == [6, 8]  # B's rows alone
+    assert parent.data.params["optim.lr"] != "0.01" and child.data.params["optim.lr"] == "0.01"
+    assert child.data.tags["branched_from.run_id"] == ids[a] and child.data.tags["branched_from.step"] == "4"
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "file:///tmp/mlruns"])
+def test_mlflow_tracking_uri_naming_a_file_store_is_one_line_exit_2_and_no_run_dir(uri, tmp_path, capsys, monkeypatch):
+    """MLflow 3 refuses its file store (maintenance mode) with a traceback, after the run dir was written."""
+    from test_config_errors import cli_in_process
+
+    from helpers import compose_cfg
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # ./mlruns: where it would be
+    assert cli_in_process(["logger=mlflow"], tmp_path / "run", monkeypatch) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        f"error: MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow no longer keeps up (it refuses it "
+        "without MLFLOW_ALLOW_FILE_STORE=true): set it to a database (sqlite:///<path>/mlflow.db) or unset it "
+        "(logger=mlflow's store: outputs/mlflow.db)"
+    ]
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists() and not (tmp_path / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own switch, the user's choice: accepted
+    loggers.check(compose_cfg("logger=mlflow"))

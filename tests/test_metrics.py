@@ -101,3 +101,37 @@ def test_tensorboard_holds_the_rows_and_the_config_and_a_resume_appends(tmp_path
         assert [(s.step, s.value) for s in events.Scalars(key)] == want, key  # each step once: no stale rows
     configs = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("config/text_summary")]
     assert len(configs) == 2 and all("max_steps: 4" in c and "name: tensorboard" in c for c in configs)
+
+
+def test_a_wandb_run_is_continued_in_its_own_run_dir_and_store_only_and_a_branch_names_its_parent(
+    tmp_path, monkeypatch, capsys
+):
+    """The checkpoint's W&B run (logger_run_id; its store: entity/project) continues in the run dir that wrote it,
+    with the same entity; a checkpoint of another run dir (checkpoint.resume=<its path> in a new run dir) starts a
+    new run whose config names the checkpoint's (branched_from)."""
+    from helpers import compose_cfg
+    from trainkit.loggers import make_logger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_cfg("logger=wandb", "logger.entity=me")
+
+    def checkpoint_of(run_dir: str, store: str = "me/trainkit") -> dict:
+        path = str(tmp_path / run_dir / "checkpoints" / "step_00000004.pt")
+        return {"path": path, "progress": {"step": 4}, "logger_run_id": "a1b2c3d4"} | {
+            "logger_store": {"backend": "wandb", "store": store}
+        }
+
+    parent = {"run_id": "a1b2c3d4", "backend": "wandb", "store": "me/trainkit", "step": 4}
+    moved = "logger: the checkpoint's run a1b2c3d4 is a wandb run in /trainkit: a new wandb run in me/trainkit"
+    cases = [  # (run dir, the checkpoint it resumes, continued, what is said, what its config names)
+        ("own", checkpoint_of("own"), True, [], None),
+        ("user", checkpoint_of("user", "/trainkit"), False, [moved], None),  # of the user's default entity
+        ("branch", checkpoint_of("own"), False, [], parent | {"checkpoint": checkpoint_of("own")["path"]}),
+    ]
+    for run_dir, resume, continued, said, branched_from in cases:
+        (tmp_path / run_dir).mkdir()
+        with make_logger(tmp_path / run_dir, cfg, True, resume) as logger:
+            assert logger.run is not None and logger.run["store"] == "me/trainkit", run_dir  # the entity in it
+            assert (logger.run["id"] == "a1b2c3d4") is continued, run_dir
+            assert dict(logger.backends[-1].run.config).get("branched_from") == branched_from, run_dir
+        assert capsys.readouterr().out.strip().splitlines() == said, run_dir

@@ -249,6 +249,7 @@ def check(cfg: DictConfig) -> None:
     _one_of("parallel.mode", cfg.parallel.mode, MODES)
     _one_of("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ON_NONFINITE)
     _one_of("logger.name", cfg.logger.name, loggers.NAMES)  # trainkit/loggers.py's backends
+    loggers.check(cfg)  # the backend's own refusals (e.g. MLflow's file store), before the run dir is written
     batch_size = cfg.data.batch_size
     if batch_size != "auto" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise ConfigError(f"data.batch_size={batch_size} must be a positive integer or auto")

@@ -8,6 +8,9 @@ whose `name` is its key here; nothing else in trainkit names a backend. It is bu
 store (MLflow's tracking URI, a W&B project) says which with `store(run_dir, cfg)`; the checkpoint keeps it
 beside the id (`logger_store`: backend and store), and a resume continues the run only in the same backend and
 store: elsewhere (another store, W&B's run resumed with logger=mlflow) it starts a new run and says so in one line.
+Only in its own run dir: a run branched from another run dir's checkpoint (checkpoint.resume=<its path> in a new
+hydra.run.dir) is a new run, and a backend with `branched_from(parent)` records there the run it came from.
+A backend may also refuse, with `check(cfg)`, a setting it would fail on late (config.check calls it).
 """
 
 import contextlib
@@ -19,10 +22,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, cast
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import provenance
+from trainkit.errors import ConfigError
 
 RUN_ID = "logger_run_id"  # the checkpoint's key for Backend.run_id
 OLD_RUN_ID = "wandb_run_id"  # what checkpoints written before the rename hold
@@ -47,6 +52,13 @@ class Backend(Protocol):
 def is_test_row(row: dict) -> bool:
     """The row of the test pass at the end of a run (test/loss, test/acc, ...)."""
     return any(key.startswith("test/") for key in row)
+
+
+def check(cfg: DictConfig) -> None:
+    """The chosen backend's own refusals (its optional `check(cfg)`), before the run dir is written."""
+    chosen = BACKENDS.get(cfg.logger.name)
+    if chosen is not None and (refuse := getattr(chosen, "check", None)) is not None:
+        refuse(cfg)
 
 
 def saved_run_id(state: dict) -> str | None:
@@ -111,6 +123,9 @@ class WandbLogger:
         )
         self.run_id: str | None = self.run.id
 
+    def branched_from(self, parent: dict) -> None:
+        self.run.config.update({"branched_from": parent})
+
     def log(self, row: dict) -> None:
         self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
@@ -155,11 +170,25 @@ class MLflowLogger:
     write at once and mlflow opens without switches: `mlflow ui --backend-store-uri sqlite:///<that path>`. The
     config as parameters (flattened keys) and config.yaml, the summary as summary.json (artifacts) and model/* tags.
     A resumed run continues the same MLflow run (run_id) when it is in this store, which keeps every value logged:
-    rows an attempt logged past its checkpoint are there twice at their step, the later this run's."""
+    rows an attempt logged past its checkpoint are there twice at their step, the later this run's. A run branched
+    from another run's checkpoint names it in branched_from.* tags."""
 
     @staticmethod
     def store(run_dir: Path, cfg: DictConfig) -> str:
         return mlflow_store(Path(run_dir))
+
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """MLflow 3 refuses its file store (./mlruns, file://...: maintenance mode) with a traceback, which would come
+        after the run dir is written: said here, in one line, unless the user opted in (MLFLOW_ALLOW_FILE_STORE)."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")  # MLflow's own parsing
+        if uri and urlparse(uri).scheme in ("", "file") and not allowed:
+            raise ConfigError(
+                f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which MLflow no longer keeps up (it refuses it "
+                "without MLFLOW_ALLOW_FILE_STORE=true): set it to a database (sqlite:///<path>/mlflow.db) or unset "
+                f"it (logger=mlflow's store: {DEFAULT_STORE})"
+            )
 
     def __init__(self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None):
         from mlflow.entities import Param, RunStatus
@@ -203,6 +232,11 @@ class MLflowLogger:
             if found is None:
                 raise
             return found.experiment_id
+
+    def branched_from(self, parent: dict) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.id, tags=[RunTag(f"branched_from.{key}", str(v)) for key, v in parent.items()])
 
     def log(self, row: dict) -> None:
         from mlflow.entities import Metric
@@ -276,9 +310,16 @@ class Loggers:
     also when training fails."""
 
     def __init__(
-        self, run_dir: Path, cfg: DictConfig, resume_step: int | None, run_id: str | None, saved: dict | None = None
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        resume_step: int | None,
+        run_id: str | None,
+        saved: dict | None = None,
+        parent: dict | None = None,
     ):
-        """saved: the checkpoint's record of where run_id lives ({"backend", "store"}; None: not recorded)."""
+        """saved: the checkpoint's record of where run_id lives ({"backend", "store"}; None: not recorded).
+        parent: the logger run of another run dir's checkpoint this new run branches from (make_logger)."""
         chosen = BACKENDS.get(cfg.logger.name)  # none: the file alone
         self.backends: list[Backend] = [FileLogger(run_dir, cfg, resume_step)]
         self.where: dict | None = None
@@ -292,7 +333,10 @@ class Loggers:
                     flush=True,
                 )
                 run_id = None
-            self.backends.append(chosen(run_dir, cfg, resume_step, run_id))
+            backend = chosen(run_dir, cfg, resume_step, run_id)
+            if parent is not None and hasattr(backend, "branched_from"):  # a backend of one's own may not record it
+                backend.branched_from(parent)
+            self.backends.append(backend)
 
     @property
     def run_id(self) -> str | None:
@@ -342,12 +386,18 @@ class NullLogger:
 
 
 def make_logger(run_dir: Path, cfg: DictConfig, is_main: bool, resume: dict | None = None) -> Loggers | NullLogger:
-    """resume: the checkpoint a run continues from (its step and the backend's run id), or None."""
+    """resume: the checkpoint a run continues from (its path, step and the backend's run id), or None. A checkpoint
+    of another run dir is a branch: a new logger run, which records the checkpoint's run as its parent (continuing
+    that run would mix two runs' rows in it, and leave this run, with its changed settings, without one)."""
     if not is_main:
         return NullLogger()
     if resume is None:
         return Loggers(run_dir, cfg, None, None)
-    return Loggers(run_dir, cfg, resume["progress"]["step"], saved_run_id(resume), resume.get(STORE))
+    step, run_id, saved = resume["progress"]["step"], saved_run_id(resume), resume.get(STORE)
+    if Path(resume["path"]).resolve().parent == (Path(run_dir) / "checkpoints").resolve():  # its own
+        return Loggers(run_dir, cfg, step, run_id, saved)
+    parent = {"run_id": run_id, **(saved or {}), "step": step, "checkpoint": resume["path"]} if run_id else None
+    return Loggers(run_dir, cfg, step, None, parent=parent)
 
 
 def wandb_mode() -> str:

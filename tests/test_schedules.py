@@ -97,3 +97,42 @@ def test_a_forks_schedule_is_a_yaml_and_a_function_its_keys_typed_by_the_signatu
     assert [optim.multiplier(cfg.sched, 10)(s) for s in (0, 2, 3, 7)] == [1.0, 1.0, 0.5, 0.25]
     with pytest.raises(ConfigError, match="sched.every"):
         config.check(bad)
+
+
+def scaled(step: int, *, total_steps: int, factor: float) -> float:
+    """A fork's schedule with a setting that has no default: its yaml (or the command line) must set it."""
+    return factor
+
+
+def mlp_of_width(in_shape: list[int], num_classes: int, width: int, depth: int = 2) -> torch.nn.Module:
+    """A fork's model whose width has no default."""
+    from trainkit.models.mlp import mlp
+
+    return mlp(in_shape, num_classes, width, depth)
+
+
+# sched=constant's own key removed: the fork's schedule has none of its keys (~: Hydra's delete)
+SCALED = ["sched=constant", "~sched.warmup_steps", "sched._target_=test_schedules.scaled"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (SCALED, "sched.factor is not set: sched._target_=test_schedules.scaled takes it without a default"),
+        (
+            ["model._target_=test_schedules.mlp_of_width", "~model.width", "~model.dropout"],
+            "model.width is not set: model._target_=test_schedules.mlp_of_width takes it without a default",
+        ),
+    ],
+    ids=["sched", "model"],
+)
+def test_a_rooms_setting_without_a_default_left_unset_is_one_line_exit_2(
+    tmp_path, capsys, monkeypatch, overrides, message
+):
+    """Before: a TypeError at the first step (sched), MissingMandatoryValue as the model is built (model), exit 1."""
+    from test_config_errors import cli_in_process
+
+    assert cli_in_process(overrides, tmp_path / "run", monkeypatch) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"error: {message}; set it in its yaml or on the command line"], out + err
+    assert not (tmp_path / "run").exists()

@@ -234,6 +234,9 @@ def test_groups_are_refused_when_a_parameter_is_matched_twice_or_none_is():
         optim.plan(helpers.compose_cfg("optim=sgd", 'optim.groups=[{params: "head.*"}]').optim, model)
     with pytest.raises(optim.ConfigError, match="declares no layer order"):
         optim.plan(helpers.compose_cfg("optim=sgd", "optim.layer_decay=0.5").optim, model)
+    nested = helpers.compose_cfg("optim=sgd", 'optim.groups=[{params: "0.*", name: enc/head}]').optim
+    with pytest.raises(optim.ConfigError, match=r"optim.groups\[0\].name=enc/head must be a word"):  # lr/enc/head
+        optim.check(nested)
 
 
 def test_a_fully_frozen_batchnorm_keeps_its_statistics_unless_told_to_train():
@@ -343,3 +346,22 @@ def test_layer_decay_follows_gpts_declared_layer_order():
         {"lr": lr, "lr/layer0": lr / 8, "lr/layer1": lr / 4, "lr/layer2": lr / 2, "lr/layer3": lr}
     )
     assert groups_lr(row) == f" (layer0 {lr / 8:.2e}, layer1 {lr / 4:.2e}, layer2 {lr / 2:.2e}, ...)"
+
+
+class Layered(torch.nn.Sequential):
+    """Linear layers that declare their order (`layer_of`: 0 at the input) as GPT does: optim.layer_decay's model."""
+
+    def layer_of(self, name: str) -> int:
+        return int(name.split(".")[0])
+
+
+def test_each_rows_lr_is_its_own_groups_and_a_group_under_layer_decay_keeps_the_layer_in_its_name():
+    cfg = helpers.compose_cfg(
+        "optim=sgd", "optim.layer_decay=0.5", 'optim.groups=[{params: "[12].*", name: head, lr_scale: 0.1}]'
+    )
+    model = Layered(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    optimizer = optim.build(cfg.optim, model)
+    lr = cfg.optim.lr
+    assert [group["lr"] for group in optimizer.param_groups] == pytest.approx([lr / 4, lr / 2 * 0.1, lr * 0.1])
+    row = optim.lr_row(optimizer, [7.0, 5.0, 3.0])  # the schedule's lrs at a step: each row shows its own group's
+    assert row == {"lr": 28.0, "lr/layer0": 7.0, "lr/head/layer1": 5.0, "lr/head/layer2": 3.0}

@@ -97,3 +97,124 @@ def test_a_forks_schedule_is_a_yaml_and_a_function_its_keys_typed_by_the_signatu
     assert [optim.multiplier(cfg.sched, 10)(s) for s in (0, 2, 3, 7)] == [1.0, 1.0, 0.5, 0.25]
     with pytest.raises(ConfigError, match="sched.every"):
         config.check(bad)
+
+
+def scaled(step: int, *, total_steps: int, factor: float) -> float:
+    """A fork's schedule with a setting that has no default: its yaml (or the command line) must set it."""
+    return factor
+
+
+def mlp_of_width(in_shape: list[int], num_classes: int, width: int, depth: int = 2) -> torch.nn.Module:
+    """A fork's model whose width has no default."""
+    from trainkit.models.mlp import mlp
+
+    return mlp(in_shape, num_classes, width, depth)
+
+
+# sched=constant's own key removed: the fork's schedule has none of its keys (~: Hydra's delete)
+SCALED = ["sched=constant", "~sched.warmup_steps", "sched._target_=test_schedules.scaled"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (SCALED, "sched.factor is not set: sched._target_=test_schedules.scaled takes it without a default"),
+        (
+            ["model._target_=test_schedules.mlp_of_width", "~model.width", "~model.dropout"],
+            "model.width is not set: model._target_=test_schedules.mlp_of_width takes it without a default",
+        ),
+    ],
+    ids=["sched", "model"],
+)
+def test_a_rooms_setting_without_a_default_left_unset_is_one_line_exit_2(
+    tmp_path, capsys, monkeypatch, overrides, message
+):
+    """Before: a TypeError at the first step (sched), MissingMandatoryValue as the model is built (model), exit 1."""
+    from test_config_errors import cli_in_process
+
+    assert cli_in_process(overrides, tmp_path / "run", monkeypatch) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"error: {message}; set it in its yaml or on the command line"], out + err
+    assert not (tmp_path / "run").exists()
+
+
+def falling(step: int, *, total_steps: int, at: int = 3, value: float = -0.5) -> float:
+    """A fork's schedule gone wrong: 1 until step `at`, then `value` (below 0, NaN, inf)."""
+    return 1.0 if step < at else value
+
+
+@pytest.mark.parametrize("value", [-0.5, math.nan, math.inf])
+def test_a_schedule_value_below_0_or_not_finite_is_refused_naming_sched_and_the_step(value):
+    """Before: lr < 0 trained uphill and exited 0; NaN stopped as "non-finite loss or gradient" (the data blamed)."""
+    from helpers import compose_cfg
+    from trainkit import optim
+
+    cfg = compose_cfg(
+        "sched=constant", "~sched.warmup_steps", "sched._target_=test_schedules.falling", f"+sched.value={value}"
+    )
+    lr_at = optim.multiplier(cfg.sched, 10)
+    with pytest.raises(ConfigError) as refused:
+        optim.survey(cfg.sched, lr_at, 10)
+    assert str(refused.value) == (
+        f"sched: the multiplier of optim.lr is {value} at step 3 (sched._target_=test_schedules.falling); "
+        "a schedule's value must be a finite number >= 0"
+    )
+    assert optim.survey(cfg.sched, optim.multiplier(cfg.sched, 3), 3) is None  # a run of steps 0..2 trains fine
+
+
+def test_a_negative_schedule_stops_the_run_before_it_starts_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    from test_config_errors import cli_in_process
+
+    overrides = [
+        "sched=constant",
+        "~sched.warmup_steps",
+        "sched._target_=test_schedules.falling",
+        "trainer.max_steps=5",
+    ]
+    assert cli_in_process(overrides, tmp_path / "run", monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "error: sched: the multiplier of optim.lr is -0.5 at step 3 (sched._target_=test_schedules.falling); "
+        "a schedule's value must be a finite number >= 0"
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, total, rises",
+    [
+        (["sched=cosine", "sched.warmup_steps=20"], 5, True),  # the default warmup: peaks at 5/21 of optim.lr
+        (["sched=cosine", "sched.warmup_steps=20"], 21, True),  # the peak at the last step: no decay
+        (["sched=cosine", "sched.warmup_steps=20"], 22, False),
+        (["sched=constant", "sched.warmup_steps=3"], 3, True),
+        (["sched=constant", "sched.warmup_steps=3"], 4, True),  # the last step's rise: 3 of 4 steps warm up
+        (["sched=constant", "sched.warmup_steps=3"], 5, False),  # flat at the end: its peak
+        (["sched=onecycle"], 3, False),
+        (["sched=constant"], 1, False),
+    ],
+)
+def test_a_run_that_ends_while_its_schedule_still_rises_is_said(overrides, total, rises):
+    """Before: trainer.max_steps=5 with the default warmup of 20 trained at most 5/21 of optim.lr, silently."""
+    from helpers import compose_cfg
+    from trainkit import optim
+
+    sched = compose_cfg(*overrides).sched
+    line = optim.survey(sched, optim.multiplier(sched, total), total)
+    assert (line is not None) == rises, line
+    if rises and total == 5:  # the default warmup in a 5-step run
+        assert line == (
+            "sched: the multiplier rises until the run's last step (step 4: 0.19 -> 0.238 x optim.lr): the run ends "
+            "at or before trainkit.schedules.warmup.warmup_cosine's peak, with no decay after it (a warmup as long as "
+            "the run or longer?)"
+        )
+
+
+def test_the_run_says_it_once(tmp_path):
+    from helpers import run_in_process
+
+    out = run_in_process(
+        tmp_path, "model.width=8", "trainer.max_steps=2", "trainer.eval_every=100", "trainer.test=false"
+    )
+    assert (
+        out.count("sched: the multiplier rises until the run's last step (step 1: 0.0476 -> 0.0952 x optim.lr)") == 1
+    ), out

@@ -25,6 +25,7 @@ its glob without wildcards (`encoder.*`: lr/encoder); with layer_decay `layer<k>
 import fnmatch
 import functools
 import inspect
+import math
 import re
 import types
 from collections.abc import Callable
@@ -230,3 +231,26 @@ def multiplier(sched: DictConfig, total_steps: int) -> Callable[[int], float]:
     if isinstance(schedule, functools.partial):
         return functools.partial(schedule.func, *schedule.args, **schedule.keywords)
     return schedule
+
+
+def survey(sched: DictConfig, lr_at: Callable[[int], float], total_steps: int) -> str | None:
+    """The bound schedule at each step the run trains (0 to total_steps - 1), before training: Python calls on the
+    host, as cheap as LambdaLR's own, none of them in the step. A value below 0 or not finite is refused naming the
+    step (an lr < 0 trains uphill and ends well; a NaN one ends as a non-finite loss, which points at the data).
+    Returns a start line where the multiplier rises until the last step: a warmup as long as the run or longer (the
+    default's 20 steps in a 5-step run train at most 5/21 of optim.lr), no decay after the peak. Read from the
+    values, not the settings: the engine knows no schedule's keys."""
+    values = list(map(lr_at, range(total_steps)))  # ~1-2 us a step: a 1M-step run starts a second or two later
+    if (step := next((s for s, value in enumerate(values) if not 0 <= value < math.inf), None)) is not None:
+        raise ConfigError(  # (NaN compares false)
+            f"sched: the multiplier of optim.lr is {values[step]} at step {step} (sched._target_={sched._target_}); "
+            "a schedule's value must be a finite number >= 0"
+        )
+    last = total_steps - 1
+    if last >= 1 and values[last] > values[last - 1]:
+        return (
+            f"sched: the multiplier rises until the run's last step (step {last}: {values[last - 1]:.3g} -> "
+            f"{values[last]:.3g} x optim.lr): the run ends at or before {sched._target_}'s peak, with no decay "
+            "after it (a warmup as long as the run or longer?)"
+        )
+    return None

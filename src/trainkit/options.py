@@ -5,7 +5,8 @@ it:
 - `Schema`: a dataclass of the yaml's keys; `typed` merges the node into it, so a value of the wrong type or an
   unknown key is refused in one line naming it, and the schema's defaults fill in what the yaml leaves out.
   Without one, the schema is the `_target_`'s signature (`derived`: a parameter's annotation is its key's type,
-  its default the key's default; a data set's is trainkit.schema.Data with `splits` its function's signature):
+  its default the key's default, `???` where it has none: `check` refuses one left unset; a data set's is
+  trainkit.schema.Data with `splits` its function's signature):
   an option whose keys are its constructor's arguments writes them once, in the signature (a schedule's: its
   keyword arguments after the `step` and `total_steps` the engine passes, CALLED_WITH). A module declares
   `Schema` where the yaml holds more than the arguments (a data set's own keys beside `splits`) or its defaults
@@ -136,10 +137,23 @@ def _with_init(schema: type) -> type:
 
 
 def check(cfg: DictConfig) -> None:
-    """Each option's own `check(cfg)`: model, data, task."""
+    """Each option's own `check(cfg)`: model, data, task, sched; then every key still unset (`???`)."""
     for group in TARGETS:
         if (refuse := getattr(module_of(cfg, group), "check", None)) is not None:
             refuse(cfg)
+    for group in TARGETS:
+        _refuse_unset(cfg, group)
+
+
+def _refuse_unset(cfg: DictConfig, group: str) -> None:
+    """A key the yaml leaves `???` (a signature's argument without a default: `derived`) would fail as the option
+    is built or, for a schedule, at its first call. After the options' own checks: theirs say more (task.teacher)."""
+    if unset := sorted(OmegaConf.missing_keys(cfg[group])):
+        target = OmegaConf.select(cfg, TARGETS[group], throw_on_missing=False)
+        raise ConfigError(
+            f"{unset[0]} is not set: {TARGETS[group]}={target} takes it without a default; set it in its yaml or on "
+            "the command line"
+        )
 
 
 def check_run(run_dir: Path, run_cfg: DictConfig) -> None:

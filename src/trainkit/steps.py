@@ -79,7 +79,10 @@ def build(
         d.print0(caveat)
     optimizer = optim.build(cfg.optim, unwrap(model), groups, d.device)  # by name: FSDP's shards, DDP's own
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, total_steps))
+    lr_at = optim.multiplier(cfg.sched, total_steps)
+    if rises := optim.survey(cfg.sched, lr_at, total_steps):  # a value < 0 or not finite: refused here
+        d.print0(rises)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     autocast = autocast_for(cfg.trainer.precision, d.device)
     use_tf32(cfg.trainer.tf32, d.device)  # fp32 matrix products on TF32 tensor cores (CUDA; default on)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.trainer.precision == "fp16")

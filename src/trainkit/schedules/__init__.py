@@ -7,8 +7,10 @@ arguments after `total_steps`, written once: trainkit/options.py types them from
 types; defaults: defaults), so `sched.warmup_steps=abc` or a misspelt key is refused in one line. The engine adds
 `total_steps` (trainer.max_steps, or epochs x steps per epoch) and hands the function to torch's LambdaLR, which
 calls it once per optimizer step (trainkit/optim.py's `multiplier`); a resume recomputes every lr from it at the
-restored step, so it must depend on nothing but its arguments. Its module may declare `Schema` and `check(cfg)`
-like any room's (trainkit/options.py reads them; the engine imports no file here by name).
+restored step, so it must depend on nothing but its arguments. Before training the engine reads it at every step of
+the run (`optim.survey`): a value below 0 or not finite is refused naming the step, and a run that ends while the
+multiplier still rises (a warmup as long as the run) is said in a start line. Its module may declare `Schema` and
+`check(cfg)` like any room's (trainkit/options.py reads them; the engine imports no file here by name).
 
 The shipped ones, examples of the form: warmup.py (`constant`, `warmup_cosine`), cycle.py (`one_cycle`).
 """

@@ -156,8 +156,8 @@ def test_a_schedule_value_below_0_or_not_finite_is_refused_naming_sched_and_the_
     with pytest.raises(ConfigError) as refused:
         optim.survey(cfg.sched, lr_at, 10)
     assert str(refused.value) == (
-        f"sched: the multiplier of optim.lr is {value} at step 3 (sched._target_=test_schedules.falling); "
-        "a schedule's value must be a finite number >= 0"
+        f"sched: test_schedules.falling returns {value} at step=3 (optimizer step 4's lr, as the rows count); "
+        "a schedule's value, the multiplier of optim.lr, must be a finite number >= 0"
     )
     assert optim.survey(cfg.sched, optim.multiplier(cfg.sched, 3), 3) is None  # a run of steps 0..2 trains fine
 
@@ -174,8 +174,8 @@ def test_a_negative_schedule_stops_the_run_before_it_starts_one_line_exit_2(tmp_
     assert cli_in_process(overrides, tmp_path / "run", monkeypatch) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        "error: sched: the multiplier of optim.lr is -0.5 at step 3 (sched._target_=test_schedules.falling); "
-        "a schedule's value must be a finite number >= 0"
+        "error: sched: test_schedules.falling returns -0.5 at step=3 (optimizer step 4's lr, as the rows count); "
+        "a schedule's value, the multiplier of optim.lr, must be a finite number >= 0"
     ]
     assert not (tmp_path / "run").exists()
 
@@ -203,7 +203,7 @@ def test_a_run_that_ends_while_its_schedule_still_rises_is_said(overrides, total
     assert (line is not None) == rises, line
     if rises and total == 5:  # the default warmup in a 5-step run
         assert line == (
-            "sched: the multiplier rises until the run's last step (step 4: 0.19 -> 0.238 x optim.lr): the run ends "
+            "sched: the multiplier rises until the run's last step (step 5: 0.19 -> 0.238 x optim.lr): the run ends "
             "at or before trainkit.schedules.warmup.warmup_cosine's peak, with no decay after it (a warmup as long as "
             "the run or longer?)"
         )
@@ -216,5 +216,5 @@ def test_the_run_says_it_once(tmp_path):
         tmp_path, "model.width=8", "trainer.max_steps=2", "trainer.eval_every=100", "trainer.test=false"
     )
     assert (
-        out.count("sched: the multiplier rises until the run's last step (step 1: 0.0476 -> 0.0952 x optim.lr)") == 1
+        out.count("sched: the multiplier rises until the run's last step (step 2: 0.0476 -> 0.0952 x optim.lr)") == 1
     ), out

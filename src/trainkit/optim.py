@@ -243,13 +243,13 @@ def survey(sched: DictConfig, lr_at: Callable[[int], float], total_steps: int) -
     values = list(map(lr_at, range(total_steps)))  # ~1-2 us a step: a 1M-step run starts a second or two later
     if (step := next((s for s, value in enumerate(values) if not 0 <= value < math.inf), None)) is not None:
         raise ConfigError(  # (NaN compares false)
-            f"sched: the multiplier of optim.lr is {values[step]} at step {step} (sched._target_={sched._target_}); "
-            "a schedule's value must be a finite number >= 0"
+            f"sched: {sched._target_} returns {values[step]} at step={step} (optimizer step {step + 1}'s lr, as the "
+            "rows count); a schedule's value, the multiplier of optim.lr, must be a finite number >= 0"
         )
     last = total_steps - 1
     if last >= 1 and values[last] > values[last - 1]:
         return (
-            f"sched: the multiplier rises until the run's last step (step {last}: {values[last - 1]:.3g} -> "
+            f"sched: the multiplier rises until the run's last step (step {total_steps}: {values[last - 1]:.3g} -> "
             f"{values[last]:.3g} x optim.lr): the run ends at or before {sched._target_}'s peak, with no decay "
             "after it (a warmup as long as the run or longer?)"
         )

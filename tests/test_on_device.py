@@ -7,15 +7,20 @@ ahead are the batches without it."""
 import numpy as np
 import pytest
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from test_tokens import write_sources
 from torch.utils.data import TensorDataset
 
-from helpers import run_in_process, weights
+from helpers import ROOT, run_in_process, weights
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import leaves
 from trainkit.data import addition, digits_views, fake, pydoc_text, tokens
+from trainkit.data.corpus import prepare
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
-from trainkit.loading import Resident, TrainLoader, ahead, residency
+from trainkit.loading import Resident, TrainLoader, ahead, residency, tensor_form
 
 CPU = torch.device("cpu")
 
@@ -91,6 +96,36 @@ def test_residency_says_which_path_and_why():
     took, why = residency(too_big, CPU, "auto", 0)
     assert not took and "is over 50% of it" in why
     assert residency(too_big, CPU, True, 0)[0]  # true: the user's call
+
+
+# conf/data's data sets made small; data=tokens on a corpus prepared here (those that need a download or a folder of
+# images refuse to build here: skipped)
+SMALL = {
+    "addition": ["max_digits=2", "num_train=60", "num_val=20"],
+    "fake": ["splits.train_size=16", "splits.val_size=4"],
+    "tokens": ["block_size=16"],
+}
+
+
+def test_each_data_sets_device_bytes_are_the_bytes_its_device_tensors_take(tmp_path):
+    """data.on_device=auto decides by `device_bytes()` before the tensors are made: it is their size, for each split
+    of every data set in conf/data that declares it."""
+    prepare([str(write_sources(tmp_path / "sources"))], str(tmp_path / "corpus"), "bytes", progress=False)
+    declared = set()
+    for path in sorted((ROOT / "conf" / "data").glob("*.yaml")):
+        data = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(SMALL.get(path.stem, [])))
+        data.root = str(tmp_path / "corpus") if path.stem == "tokens" else data.get("root")
+        try:
+            sets = instantiate(OmegaConf.create({"data": data}).data.splits)  # its ${data.*} as in a composed run
+        except InstantiationException as error:
+            assert isinstance(error.__cause__, ConfigError), error  # no MNIST files, no image folder
+            continue
+        for split in (s for s in sets if hasattr(s, "device_bytes")):
+            assert split.device_bytes() == sum(t.nbytes for t in tensor_form(split)), (path.stem, type(split).__name__)
+            declared.add(f"{path.stem}.{type(split).__name__}")
+    assert {"addition.Problems", "fake.FakeData", "pydoc_text.RandomBlocks", "tokens.RandomBlocks", "tokens.Tiles"} <= (
+        declared
+    ), declared
 
 
 def test_a_debug_subset_of_a_data_set_with_a_tensor_form_goes_through_the_dataloader():

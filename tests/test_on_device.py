@@ -20,7 +20,7 @@ from trainkit.data import addition, digits_views, fake, pydoc_text, tokens
 from trainkit.data.corpus import prepare
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
-from trainkit.loading import Resident, TrainLoader, ahead, residency, tensor_form
+from trainkit.loading import Resident, TrainLoader, ahead, free_memory, residency, tensor_form
 
 CPU = torch.device("cpu")
 
@@ -96,6 +96,26 @@ def test_residency_says_which_path_and_why():
     took, why = residency(too_big, CPU, "auto", 0)
     assert not took and "is over 50% of it" in why
     assert residency(too_big, CPU, True, 0)[0]  # true: the user's call
+
+
+def test_auto_takes_a_split_within_its_share_of_the_free_memory_shared_by_the_local_ranks(monkeypatch):
+    """auto: a split within half the device's free memory goes there, one under the free memory but over half does
+    not. On the CPU the node's local ranks share host memory and each makes its own copy: the half is theirs
+    together (LOCAL_WORLD_SIZE). The fractions are far from each bound: the free memory moves between the calls."""
+    split, free = TensorDataset(torch.zeros(4)), free_memory(CPU)
+    assert free is not None
+
+    def taken(fraction: float) -> tuple[bool, str]:
+        split.device_bytes = lambda: int(fraction * free)  # type: ignore[attr-defined]
+        return residency(split, CPU, "auto", 0)
+
+    assert taken(0.3)[0]
+    took, why = taken(0.8)
+    assert not took and why.startswith("data.on_device=auto: the split's ") and why.endswith("free is over 50% of it")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    took, why = taken(0.3)
+    assert not took and why.endswith("free is over 12% of it (50% among 4 local ranks, each its own copy)"), why
+    assert taken(0.05)[0]
 
 
 # conf/data's data sets made small; data=tokens on a corpus prepared here (those that need a download or a folder of

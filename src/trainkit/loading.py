@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import collate, emptied, leaves, to_device
-from trainkit.dist import Dist
+from trainkit.dist import Dist, place
 from trainkit.errors import ConfigError
 from trainkit.rng import sample_seed, seed_all
 
@@ -247,9 +247,18 @@ def residency(dataset: Dataset, device: torch.device, on_device, num_workers: in
     size = size() if size is not None else sum(t.nbytes for t in tensor_form(dataset) or [])
     free = free_memory(device)
     room = f"{_gb(size)} of {_gb(free)} free" if free is not None else _gb(size)
-    if on_device == "auto" and free is not None and size > DEVICE_SHARE * free:
-        return False, f"data.on_device=auto: the split's {room} is over {DEVICE_SHARE:.0%} of it"
+    share, shared = device_share(device)
+    if on_device == "auto" and free is not None and size > share * free:
+        return False, f"data.on_device=auto: the split's {room} is over {share:.0%} of it{shared}"
     return True, f"data.on_device={'auto' if on_device == 'auto' else 'true'}: {room}"
+
+
+def device_share(device: torch.device) -> tuple[float, str]:
+    """The share of the free memory a rank's split may take (DEVICE_SHARE), and what the line says of it: on the CPU
+    the node's local ranks share the host's memory and each makes its own copy (a corpus's token stream as int64),
+    so DEVICE_SHARE is theirs together; a GPU is its rank's own."""
+    ranks = place().local_world_size if device.type == "cpu" else 1
+    return DEVICE_SHARE / ranks, f" ({DEVICE_SHARE:.0%} among {ranks} local ranks, each its own copy)" * (ranks > 1)
 
 
 class Resident:

@@ -3,7 +3,8 @@
 `data.root` holds train.bin, val.bin, test.bin (token ids, np.uint16, or uint32 past 65535 ids; each
 document followed by the end-of-text token), tokenizer.json and meta.json (prepare_text.py). The split
 is by document and fixed when the corpus is prepared (a seeded permutation of the sorted file list).
-The .bin files are memory-mapped, never read whole: a corpus larger than memory trains alike.
+The .bin files are memory-mapped: a corpus larger than memory trains alike. The train split is read whole (int64, 4x a
+uint16 .bin, a copy per rank) only where it goes to the device (data.on_device; auto: where it fits, false: never).
 
 A train sample is a block of `block_size` tokens and the `block_size` tokens that follow each, at a
 position drawn uniformly from the whole split (nanoGPT's sampling: a block may cross a document's

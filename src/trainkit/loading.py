@@ -228,7 +228,7 @@ def residency(dataset: Dataset, device: torch.device, on_device, num_workers: in
     nothing on the host (or builds its draws itself: `device_batches`), asks for no loader worker, and fits in
     DEVICE_SHARE of the device's free memory; `true` takes it wherever the data set has a tensor form (a ConfigError,
     one line, where it has none or draws on the host); `false` never."""
-    name = type(dataset).__name__
+    name = getattr(dataset, "startup_name", None) or type(dataset).__name__  # debug's subset: named so
     if on_device is False:
         return False, "data.on_device=false"
     why = None
@@ -264,8 +264,8 @@ def device_share(device: torch.device) -> tuple[float, str]:
 class Resident:
     """A train split on the device: its tensor form (tensor_form) moved there once, each epoch's micro-batches taken
     there by index from this rank's order (TrainBatches.order_tensor): no loader, no per-batch copy. A data set's
-    `device_batches(tensors, order, batch_size, epoch, seed)` builds them itself (a collate's padding, blocks drawn
-    from per-sample seeds); without one, each tensor is gathered by the order once an epoch (one more copy of the
+    `device_batches(tensors, order, batch_size, epoch, seed, rows)` builds them itself (a collate's padding, blocks
+    drawn from per-sample seeds); without one, each tensor is gathered by the order once an epoch (one more copy of the
     shard) and the micro-batches are views of that (~1 us a batch). Either way each is the loader path's micro-batch
     bit for bit: the same samples in the same order, the same values and shapes (tests/test_on_device.py)."""
 

@@ -127,11 +127,13 @@ class Problems(Dataset):
         longest = _digits(a, self.width) + _digits(b, self.width) + _digits(a + b, answer) + 2
         return 2 * len(self) * int(longest.max()) * 8
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
-        """The micro-batches of `order` (this rank's epoch, on the host) from the device's rows: one gather a tensor
-        an epoch, then views cut to each micro-batch's longest (read from the host's lengths: no wait on the GPU)."""
-        inputs, targets = (t[order.to(t.device, non_blocking=True)] for t in tensors)
-        longest = [int(n.max()) for n in self.lengths[order].split(batch_size)]
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
+        """The micro-batches of `order` (this rank's epoch, on the host; `rows`: their problems where a debug subset
+        names them) from the device's rows: one gather a tensor an epoch, then views cut to each micro-batch's
+        longest (read from the host's lengths: no wait on the GPU)."""
+        rows = order if rows is None else rows
+        inputs, targets = (t[rows.to(t.device, non_blocking=True)] for t in tensors)
+        longest = [int(n.max()) for n in self.lengths[rows].split(batch_size)]
         for x, y, n in zip(inputs.split(batch_size), targets.split(batch_size), longest, strict=True):
             yield x[:, :n], y[:, :n]
 

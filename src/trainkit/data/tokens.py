@@ -211,9 +211,10 @@ class RandomBlocks(_Split, Dataset):
     def device_bytes(self) -> int:
         return len(self.tokens) * 8
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
         """The blocks of `order` (this rank's epoch) at the starts `seeded` draws, each from its sample's seed
-        (seed, epoch, index): computed on the host once an epoch, moved once, each micro-batch one gather."""
+        (seed, epoch, index): computed on the host once an epoch, moved once, each micro-batch one gather. (`rows`,
+        a debug subset's samples in the split: unused, any sample's block may start anywhere.)"""
         (tokens,) = tensors
         span = len(self.tokens) - self.block_size
         starts = torch.tensor([sample_seed(seed, epoch, i) % span for i in order.tolist()], dtype=torch.long)

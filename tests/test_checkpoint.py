@@ -15,9 +15,10 @@ from helpers import CRASH_RUN as RUN
 from helpers import ROOT, assert_equal, faulty, run_in_process, run_train, together
 from helpers import rows as metrics_rows
 from train import train
-from trainkit.checkpoint import Checkpointer, load_model, parse_step, save_whole, step_name
+from trainkit.checkpoint import Checkpointer, load_model, parse_step, save_whole, snapshot, step_name
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
+from trainkit.errors import RunError
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -141,6 +142,19 @@ def test_a_weights_file_stopped_mid_write_is_left_whole_or_absent(tmp_path):
         save_whole(unpicklable, path)
     assert torch.equal(torch.load(path, weights_only=True)["weight"], torch.zeros(3))
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_a_snapshot_refuses_one_non_finite_tensor_among_finite_ones():
+    """One NaN in one buffer of a model whose every other tensor is finite: no checkpoint holds it (one line)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    states = (optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD([torch.ones(1)]))
+    taken = snapshot(model, *states, {"step": 7}, {}, {}, None, CPU)  # finite: saved (the meter: any state_dict)
+    assert taken["model"].keys() == model.state_dict().keys()
+    model[1].running_var[1] = float("nan")
+    with pytest.raises(RunError, match="^refusing to checkpoint non-finite weights or buffers at step 7$"):
+        snapshot(model, *states, {"step": 7}, {}, {}, None, CPU)
 
 
 def test_auto_without_checkpoint_starts_fresh_and_keep_must_be_positive(tmp_path):

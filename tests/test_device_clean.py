@@ -18,12 +18,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import cross_entropy
 
 import train
 from another_device import CPU, DEVICE, on_another_device
 from helpers import ROOT, run_in_process, weights
 from test_experiments import EXPERIMENTS, compose_experiment, parent_overrides
 from trainkit import dist
+from trainkit.accumulate import EpochLayout
+from trainkit.dist import Dist
+from trainkit.loading import InMemory, TrainLoader
 
 TASKS = sorted(p.stem for p in (ROOT / "conf" / "task").glob("*.yaml"))
 SHORT = ["trainer.max_steps=3", "trainer.log_every=3", "trainer.eval_every=2", "checkpoint.every=2"]
@@ -185,3 +189,35 @@ def assert_bit_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different
+
+
+def test_a_ranks_empty_micro_batches_on_a_split_on_the_device_are_on_the_device():
+    """Rank 1 of 2, its share of the split on the device (data.on_device) one micro-batch short of the epoch's: the
+    empty micro-batch it still runs is made on the device too, where the model meets it (the device refuses a CPU
+    batch, as CUDA does). One process: a gloo collective cannot send the device's tensors, so no 2-rank run."""
+    split = InMemory(torch.randn(9, 4), torch.arange(9) % 3)
+    micro_batches = EpochLayout(9, 2, 2, 2).micro_batches  # 3: rank 0 holds 5 samples, rank 1 only 4
+    with on_another_device():
+        loader = TrainLoader(split, Dist(1, 1, 2, DEVICE), 2, 0, 0, micro_batches, resident=True)
+        model = torch.nn.Linear(4, 3).to(DEVICE)
+        for epoch in (0, 1):
+            sizes = []
+            for x, y in loader.epoch(epoch):
+                cross_entropy(model(x), y, reduction="sum").backward()  # what the step does with it
+                sizes.append(len(y))
+            assert sizes == [2, 2, 0], sizes
+
+
+def test_epochs_on_the_device_wait_for_nothing_at_their_boundaries(device, quiet_steps, tmp_path):
+    """The split on the device (data.on_device) across epoch boundaries: each epoch's order goes to the device
+    without making the host wait (the quiet step after which the next epoch begins waited for nothing)."""
+    quiet, marks = quiet_steps
+    # digits' train split of 90 samples at b=16, K=4: 2 windows an epoch (the second short: 16 + 10)
+    small = ["data.splits.val_fraction=0.45", "data.splits.test_fraction=0.5", "model.width=8", "trainer.test=false"]
+    every = ["trainer.max_steps=5", "trainer.log_every=5", "trainer.eval_every=5", "checkpoint.every=5"]
+    with on_another_device() as syncs:
+        marks.append(syncs.begin_step)
+        out = run_in_process(tmp_path / "run", *small, *every, "data.batch_size=16", "accumulation.steps=4")
+    assert f" on {DEVICE} |" in out and "done: 5 steps" in out and "data path: on the device" in out, out
+    assert {1, 3} <= quiet, quiet  # the last steps of epochs 0 and 1: the next epoch's order copied after them
+    assert not waits(syncs, quiet), waits(syncs, quiet)

@@ -7,15 +7,20 @@ ahead are the batches without it."""
 import numpy as np
 import pytest
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from test_tokens import write_sources
 from torch.utils.data import TensorDataset
 
-from helpers import run_in_process, weights
+from helpers import ROOT, run_in_process, weights
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import leaves
 from trainkit.data import addition, digits_views, fake, pydoc_text, tokens
+from trainkit.data.corpus import prepare
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
-from trainkit.loading import Resident, TrainLoader, ahead, residency
+from trainkit.loading import Resident, TrainLoader, ahead, free_memory, residency, tensor_form
 
 CPU = torch.device("cpu")
 
@@ -38,12 +43,10 @@ def _same_batches(dataset, world_size: int, batch_size: int, shuffle: bool = Tru
                     assert a.dtype == b.dtype and torch.equal(a, b), (type(dataset).__name__, rank, epoch, start)
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_each_device_form_yields_the_loaders_micro_batches(shuffle):
+def device_forms() -> list:
     """addition (padded to each micro-batch's longest), FakeData (images made once), a corpus's random blocks
     (starts from per-sample seeds) and its tiles, a plain TensorDataset, digits' SimCLR views (drawn per sample from
-    its seed, warped a micro-batch at a time), pydoc_text's random blocks (padded at their document's end): on 1 and
-    2 ranks, any epoch and start."""
+    its seed, warped a micro-batch at a time), pydoc_text's random blocks (padded at their document's end)."""
     problems = addition.splits(max_digits=3, num_train=53, num_val=5)[0]
     images = fake.fake(train_size=21, val_size=2, shape=[3, 4, 4], num_classes=3)[0]
     stream = np.random.RandomState(0).randint(0, 50, size=301).astype(np.uint16)
@@ -54,9 +57,44 @@ def test_each_device_form_yields_the_loaders_micro_batches(shuffle):
     text = pydoc_text.RandomBlocks(docs, list(docs), vocab, 8)  # documents about a block long: most blocks padded
     views = digits_views.digits_views()[0]
     views.images, views.labels = views.images[:23], views.labels[:23]  # a few: the views are made per sample
-    for dataset in (problems, images, blocks, tiles, tensors, views, text):
+    return [problems, images, blocks, tiles, tensors, views, text]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_each_device_form_yields_the_loaders_micro_batches(shuffle):
+    """Each data set's device form (device_forms): on 1 and 2 ranks, any epoch and start."""
+    for dataset in device_forms():
         for world_size, batch_size in [(1, 4), (2, 3)]:
             _same_batches(dataset, world_size, batch_size, shuffle)
+
+
+def test_a_debug_subset_on_the_device_is_its_kept_samples():
+    """debug=limit/overfit/fast keep some samples of a split (debug.take, evenly spaced; overfit's of limit's): on the
+    device they are the kept samples, the DataLoader path's micro-batches bit for bit, for each device form (a data
+    set that builds its micro-batches is named the kept rows: device_batches' `rows`). A data set whose
+    device_batches takes no `rows` stays on the DataLoader, the line naming debug's subset."""
+    from trainkit.debug import take
+
+    for dataset in device_forms():
+        kept = take(dataset, 2 * len(dataset) // 3)
+        for subset in (kept, take(kept, 7)):
+            assert residency(subset, CPU, "auto", 0)[0], type(dataset).__name__
+            if hasattr(subset, "device_bytes"):
+                assert subset.device_bytes() == sum(t.nbytes for t in tensor_form(subset))
+            for world_size, batch_size in [(1, 4), (2, 3)]:
+                _same_batches(subset, world_size, batch_size)
+
+    class Rowless(TensorDataset):  # builds its micro-batches from the order alone: a subset cannot name its rows
+        draws_random = False
+
+        def device_tensors(self):
+            return self.tensors
+
+        def device_batches(self, tensors, order, batch_size, epoch, seed):
+            return zip(*(t[order].split(batch_size) for t in tensors), strict=True)
+
+    why = "Rowless's subset kept by debug (its device_batches takes no rows) declares no tensor form (device_tensors)"
+    assert residency(take(Rowless(torch.arange(8)), 3), CPU, "auto", 0) == (False, f"data.on_device=auto: {why}")
 
 
 def test_residency_says_which_path_and_why():
@@ -93,20 +131,54 @@ def test_residency_says_which_path_and_why():
     assert residency(too_big, CPU, True, 0)[0]  # true: the user's call
 
 
-def test_a_debug_subset_of_a_data_set_with_a_tensor_form_goes_through_the_dataloader():
-    """debug=limit/overfit/fast keep some samples (debug.Kept) and answer for the data set's attributes, but not for
-    its tensor form: that is the whole set's, which the kept positions would index (other samples, silently)."""
-    from trainkit.debug import take
+def test_auto_takes_a_split_within_its_share_of_the_free_memory_shared_by_the_local_ranks(monkeypatch):
+    """auto: a split within half the device's free memory goes there, one under the free memory but over half does
+    not. On the CPU the node's local ranks share host memory and each makes its own copy: the half is theirs
+    together (LOCAL_WORLD_SIZE). The fractions are far from each bound: the free memory moves between the calls."""
+    split, free = TensorDataset(torch.zeros(4)), free_memory(CPU)
+    assert free is not None
 
-    problems = addition.splits(max_digits=2, num_train=40, num_val=5)[0]
-    kept = take(problems, 10)
-    assert kept.collate_fn is problems.collate_fn  # still answers for the data set
-    assert residency(kept, CPU, "auto", 0) == (
-        False,
-        "data.on_device=auto: Kept declares no tensor form (device_tensors)",
-    )
-    assert residency(take(TensorDataset(torch.arange(8)), 3), CPU, "auto", 0)[0] is False
-    assert residency(take(digits_views.digits_views()[1], 3), CPU, "auto", 0)[0]  # InMemory stays InMemory
+    def taken(fraction: float) -> tuple[bool, str]:
+        split.device_bytes = lambda: int(fraction * free)  # type: ignore[attr-defined]
+        return residency(split, CPU, "auto", 0)
+
+    assert taken(0.3)[0]
+    took, why = taken(0.8)
+    assert not took and why.startswith("data.on_device=auto: the split's ") and why.endswith("free is over 50% of it")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    took, why = taken(0.3)
+    assert not took and why.endswith("free is over 12% of it (50% among 4 local ranks, each its own copy)"), why
+    assert taken(0.05)[0]
+
+
+# conf/data's data sets made small; data=tokens on a corpus prepared here (those that need a download or a folder of
+# images refuse to build here: skipped)
+SMALL = {
+    "addition": ["max_digits=2", "num_train=60", "num_val=20"],
+    "fake": ["splits.train_size=16", "splits.val_size=4"],
+    "tokens": ["block_size=16"],
+}
+
+
+def test_each_data_sets_device_bytes_are_the_bytes_its_device_tensors_take(tmp_path):
+    """data.on_device=auto decides by `device_bytes()` before the tensors are made: it is their size, for each split
+    of every data set in conf/data that declares it."""
+    prepare([str(write_sources(tmp_path / "sources"))], str(tmp_path / "corpus"), "bytes", progress=False)
+    declared = set()
+    for path in sorted((ROOT / "conf" / "data").glob("*.yaml")):
+        data = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(SMALL.get(path.stem, [])))
+        data.root = str(tmp_path / "corpus") if path.stem == "tokens" else data.get("root")
+        try:
+            sets = instantiate(OmegaConf.create({"data": data}).data.splits)  # its ${data.*} as in a composed run
+        except InstantiationException as error:
+            assert isinstance(error.__cause__, ConfigError), error  # no MNIST files, no image folder
+            continue
+        for split in (s for s in sets if hasattr(s, "device_bytes")):
+            assert split.device_bytes() == sum(t.nbytes for t in tensor_form(split)), (path.stem, type(split).__name__)
+            declared.add(f"{path.stem}.{type(split).__name__}")
+    assert {"addition.Problems", "fake.FakeData", "pydoc_text.RandomBlocks", "tokens.RandomBlocks", "tokens.Tiles"} <= (
+        declared
+    ), declared
 
 
 def test_the_loaders_batches_copied_ahead_are_the_same_batches_in_the_same_order():

@@ -19,6 +19,8 @@ The train split's size is in checkpoint.run_identity: a limited run does not res
 """
 
 import contextlib
+import functools
+import inspect
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError, RankError
@@ -105,26 +107,58 @@ def kept(num_samples: int, k: int) -> list[int]:
 
 class Kept(Subset):
     """Samples of a data set (`kept`) that still answers for the data set's attributes (collate_fn,
-    draws_random, a corpus's files and summary), but not for its tensor form (data.on_device: `device_*`): that is
-    the whole data set's, which its micro-batches would take by the kept samples' positions (the DataLoader then)."""
+    draws_random, a corpus's files and summary) and has its tensor form (data.on_device) for the kept samples: the
+    form's rows at the kept positions; where the data set builds its micro-batches (`device_batches`), its whole form,
+    each epoch's kept rows named to it (`rows`), the positions kept for what it draws from per-sample seeds, as the
+    DataLoader path draws by them. Not taken by the kept positions from the whole set's rows: other samples."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("dataset", "indices"):  # unpickling: before they are set
             raise AttributeError(name)
         if name.startswith("device_"):
-            raise AttributeError(name)
+            return self._device_form(name)
         return getattr(self.dataset, name)
+
+    @property
+    def startup_name(self) -> str:
+        """What the data path's line calls it (trainkit.loading.residency)."""
+        rowless = " (its device_batches takes no rows)" if self._rowless() else ""
+        return f"{type(self.dataset).__name__}'s subset kept by debug{rowless}"
+
+    def _rowless(self) -> bool:
+        build = getattr(self.dataset, "device_batches", None)
+        return build is not None and "rows" not in inspect.signature(build).parameters
+
+    def _device_form(self, name: str) -> Any:
+        whole = getattr(self.dataset, name)  # AttributeError where the data set declares none
+        if self._rowless():  # its micro-batches would take the whole set's rows by the kept positions
+            raise AttributeError(name)
+        if name == "device_batches":
+            return functools.partial(_kept_batches, whole, self.indices)
+        if hasattr(self.dataset, "device_batches"):  # device_tensors, device_bytes: the whole form's
+            return whole
+        if name == "device_tensors":
+            return lambda: tuple(tensor[self.indices] for tensor in whole())
+        if name == "device_bytes":  # rows of one size: the kept ones' share
+            return lambda: whole() * len(self.indices) // length(self.dataset)
+        return whole
+
+
+def _kept_batches(build, indices: Sequence[int], tensors, order, batch_size, epoch, seed, rows=None):
+    """`build` (the data set's device_batches) on the kept samples of `order`: their rows in the whole set."""
+    kept = torch.as_tensor(indices)[order if rows is None else rows]  # rows: a subset's of a subset
+    return build(tensors, order, batch_size, epoch, seed, rows=kept)
 
 
 def take(dataset: Dataset, k: int) -> Dataset:
     """`k` evenly spaced samples of `dataset` (all of them: the data set itself). Plain tensors stay
-    InMemory (the train loader's fast path)."""
+    InMemory or a TensorDataset, of the kept rows (the train loader's fast path)."""
     n = length(dataset)
     if k >= n:
         return dataset
     indices = kept(n, k)
-    if type(dataset) is InMemory:
-        return InMemory(*(tensor[indices] for tensor in dataset.tensors))
+    if type(dataset) in (InMemory, TensorDataset):
+        return type(dataset)(*(tensor[indices] for tensor in dataset.tensors))  # type: ignore[attr-defined]
     return Kept(dataset, indices)
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import collate, emptied, leaves, to_device
-from trainkit.dist import Dist
+from trainkit.dist import Dist, place
 from trainkit.errors import ConfigError
 from trainkit.rng import sample_seed, seed_all
 
@@ -228,7 +228,7 @@ def residency(dataset: Dataset, device: torch.device, on_device, num_workers: in
     nothing on the host (or builds its draws itself: `device_batches`), asks for no loader worker, and fits in
     DEVICE_SHARE of the device's free memory; `true` takes it wherever the data set has a tensor form (a ConfigError,
     one line, where it has none or draws on the host); `false` never."""
-    name = type(dataset).__name__
+    name = getattr(dataset, "startup_name", None) or type(dataset).__name__  # debug's subset: named so
     if on_device is False:
         return False, "data.on_device=false"
     why = None
@@ -247,16 +247,25 @@ def residency(dataset: Dataset, device: torch.device, on_device, num_workers: in
     size = size() if size is not None else sum(t.nbytes for t in tensor_form(dataset) or [])
     free = free_memory(device)
     room = f"{_gb(size)} of {_gb(free)} free" if free is not None else _gb(size)
-    if on_device == "auto" and free is not None and size > DEVICE_SHARE * free:
-        return False, f"data.on_device=auto: the split's {room} is over {DEVICE_SHARE:.0%} of it"
+    share, shared = device_share(device)
+    if on_device == "auto" and free is not None and size > share * free:
+        return False, f"data.on_device=auto: the split's {room} is over {share:.0%} of it{shared}"
     return True, f"data.on_device={'auto' if on_device == 'auto' else 'true'}: {room}"
+
+
+def device_share(device: torch.device) -> tuple[float, str]:
+    """The share of the free memory a rank's split may take (DEVICE_SHARE), and what the line says of it: on the CPU
+    the node's local ranks share the host's memory and each makes its own copy (a corpus's token stream as int64),
+    so DEVICE_SHARE is theirs together; a GPU is its rank's own."""
+    ranks = place().local_world_size if device.type == "cpu" else 1
+    return DEVICE_SHARE / ranks, f" ({DEVICE_SHARE:.0%} among {ranks} local ranks, each its own copy)" * (ranks > 1)
 
 
 class Resident:
     """A train split on the device: its tensor form (tensor_form) moved there once, each epoch's micro-batches taken
     there by index from this rank's order (TrainBatches.order_tensor): no loader, no per-batch copy. A data set's
-    `device_batches(tensors, order, batch_size, epoch, seed)` builds them itself (a collate's padding, blocks drawn
-    from per-sample seeds); without one, each tensor is gathered by the order once an epoch (one more copy of the
+    `device_batches(tensors, order, batch_size, epoch, seed, rows)` builds them itself (a collate's padding, blocks
+    drawn from per-sample seeds); without one, each tensor is gathered by the order once an epoch (one more copy of the
     shard) and the micro-batches are views of that (~1 us a batch). Either way each is the loader path's micro-batch
     bit for bit: the same samples in the same order, the same values and shapes (tests/test_on_device.py)."""
 

@@ -8,19 +8,21 @@ says what of a batch the model gets and what is the target. The engine reads, al
 - `draws_random`: False when loading a sample draws nothing from Python's, numpy's or torch's generators
   (then nothing is seeded per sample); "torch" when it draws from torch's alone. Without it, trainkit seeds
   all three per sample from (seed, epoch, index): the same draws at any allocation and after a resume.
-- `device_tensors()`, `device_bytes()`, `device_batches(tensors, order, batch_size, epoch, seed)`: the train split's
-  tensor form, for data.on_device (trainkit.loading.residency, Resident). An InMemory or plain TensorDataset has one
-  already (its tensors, their rows its samples). `device_tensors()` gives the host tensors the split lives in (moved
-  to the device once: addition's problems padded to the longest, FakeData's images made once, a corpus's token
-  stream); `device_bytes()` their size before they are made (auto compares it with the device's free memory; without
-  it, the tensors' own). Without `device_batches`, the tensors' rows are the samples: each epoch gathers them by
-  this rank's order once and the micro-batches are views. With it, the data set builds the micro-batches itself
-  from the device tensors and this rank's epoch order (an int64 tensor on the host, from the resume's micro-batch
-  on), each the loader path's micro-batch bit for bit (the same samples, values and shapes: addition cuts each
-  to its longest, read from host-side lengths so the GPU is never waited on); what it draws comes from
-  `trainkit.rng.sample_seed(seed, epoch, index)`, as `seeded` does (data=tokens' block starts). A data set that
-  draws on the host (`draws_random` true) without `device_batches` stays on the DataLoader (the startup line
-  says why).
+- `device_tensors()`, `device_bytes()`, `device_batches(tensors, order, batch_size, epoch, seed, rows)`: the train
+  split's tensor form, for data.on_device (trainkit.loading.residency, Resident). An InMemory or plain TensorDataset
+  has one already (its tensors, their rows its samples). `device_tensors()` gives the host tensors the split lives in
+  (moved to the device once: addition's problems padded to the longest, FakeData's images made once, a corpus's
+  token stream); `device_bytes()` their size before they are made (auto compares it with the device's free memory;
+  without it, the tensors' own). Without `device_batches`, the tensors' rows are the samples: each epoch gathers
+  them by this rank's order once and the micro-batches are views. With it, the data set builds the micro-batches
+  itself from the device tensors and this rank's epoch order (an int64 tensor on the host, from the resume's
+  micro-batch on), each the loader path's micro-batch bit for bit (the same samples, values and shapes: addition
+  cuts each to its longest, read from host-side lengths so the GPU is never waited on); what it draws comes from
+  `trainkit.rng.sample_seed(seed, epoch, index)`, as `seeded` does (data=tokens' block starts). `rows` (None, or an
+  int64 tensor beside `order`): the samples' rows in the data set where they differ from `order`, a debug subset's
+  (debug.Kept: its positions in `order` still what the draws come from, as on the DataLoader path); a
+  `device_batches` without it keeps such a subset on the DataLoader. A data set that draws on the host
+  (`draws_random` true) without `device_batches` stays on the DataLoader (the startup line says why).
 - trainkit.loading.InMemory (a TensorDataset loaded by one indexing per batch) and `held_out` (split sizes
   from fractions, refused in one line where they leave no training sample) are there to use.
 The yaml's other keys: `shape` and `num_classes` (what the models interpolate), `batch_size`, `shuffle`,

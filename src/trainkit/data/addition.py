@@ -118,13 +118,22 @@ class Problems(Dataset):
         return self.collate_fn([self[i] for i in range(len(self))])
 
     def device_bytes(self) -> int:
-        return 2 * len(self) * longest_input(max(self.width, *(len(str(v)) for v in self.pairs.max(0)))) * 8
+        """device_tensors' size: inputs and targets (int64) of every problem, padded to the longest input (`a+b=`, the
+        answer and its end token, less one), counted from the operands without writing a problem out."""
+        if not len(self):
+            return 0
+        a, b = self.pairs[:, 0], self.pairs[:, 1]
+        answer = self.width + 1 if self.width else 0
+        longest = _digits(a, self.width) + _digits(b, self.width) + _digits(a + b, answer) + 2
+        return 2 * len(self) * int(longest.max()) * 8
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
-        """The micro-batches of `order` (this rank's epoch, on the host) from the device's rows: one gather a tensor
-        an epoch, then views cut to each micro-batch's longest (read from the host's lengths: no wait on the GPU)."""
-        inputs, targets = (t[order.to(t.device, non_blocking=True)] for t in tensors)
-        longest = [int(n.max()) for n in self.lengths[order].split(batch_size)]
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
+        """The micro-batches of `order` (this rank's epoch, on the host; `rows`: their problems where a debug subset
+        names them) from the device's rows: one gather a tensor an epoch, then views cut to each micro-batch's
+        longest (read from the host's lengths: no wait on the GPU)."""
+        rows = order if rows is None else rows
+        inputs, targets = (t[rows.to(t.device, non_blocking=True)] for t in tensors)
+        longest = [int(n.max()) for n in self.lengths[rows].split(batch_size)]
         for x, y, n in zip(inputs.split(batch_size), targets.split(batch_size), longest, strict=True):
             yield x[:, :n], y[:, :n]
 
@@ -137,6 +146,11 @@ class Problems(Dataset):
         for row, (x, y) in enumerate(batch):
             inputs[row, : len(x)], targets[row, : len(y)] = x, y
         return inputs, targets
+
+
+def _digits(numbers: np.ndarray, width: int) -> np.ndarray:
+    """How many characters each number is written with, at least `width` (zfill's leading zeros)."""
+    return np.maximum(np.char.str_len(numbers.astype(str)), width)
 
 
 def operand_lengths(inputs: torch.Tensor) -> torch.Tensor:

@@ -83,10 +83,11 @@ class DigitsViews(Dataset):
         """data.on_device: the images and labels; device_batches makes the views there."""
         return self.images, self.labels
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
         """The views on the device, each sample's draws as the loader path's (torch's generator seeded from (seed,
         epoch, index): the same views at any allocation), drawn on the host once an epoch (the affine maps, factors
-        and noise: 5 + 64 numbers a view), then each micro-batch's warps in one batched grid_sample there."""
+        and noise: 5 + 64 numbers a view), then each micro-batch's warps in one batched grid_sample there. `rows`:
+        the samples' images where a debug subset names them (its draws still by `order`, as the loader's)."""
         images, labels = tensors
         shape, thetas, factors, noise = images.shape[1:], [], [], []
         generator = torch.Generator()
@@ -101,7 +102,7 @@ class DigitsViews(Dataset):
         thetas_d = torch.stack(thetas).to(device, non_blocking=True) if thetas else images.new_zeros(0, 2, 3)
         factors_d = torch.tensor(factors, dtype=images.dtype).view(-1, *[1] * len(shape)).to(device, non_blocking=True)
         noise_d = (torch.stack(noise) if noise else images.new_zeros(0, *shape)).to(device, non_blocking=True)
-        index = order.to(device, non_blocking=True)
+        index = (order if rows is None else rows).to(device, non_blocking=True)
         for rows, at in zip(index.split(batch_size), range(0, len(order), batch_size), strict=True):
             views = slice(2 * at, 2 * (at + len(rows)))
             pairs = images[rows].repeat_interleave(2, dim=0)  # each image twice: its two views

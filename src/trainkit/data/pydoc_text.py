@@ -213,13 +213,14 @@ class RandomBlocks(_Split, Dataset):
     def device_bytes(self) -> int:
         return sum(len(t) for t in self.tokens) * 8
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
-        """The blocks of `order` (this rank's epoch) from the stream on the device, each start drawn as __getitem__
-        draws it under the loader's seeding (torch's generator seeded from (seed, epoch, index)): on the host once an
-        epoch, then each micro-batch one gather, padded where its document ends, as __getitem__ pads."""
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
+        """The blocks of `order` (this rank's epoch; `rows`: their blocks where a debug subset names them) from the
+        stream on the device, each start drawn as __getitem__ draws it under the loader's seeding (torch's generator
+        seeded from (seed, epoch, index)): on the host once an epoch, then each micro-batch one gather, padded where
+        its document ends, as __getitem__ pads."""
         (stream,) = tensors
         lengths = torch.tensor([len(t) for t in self.tokens])
-        owners = torch.tensor(self.owner)[order]
+        owners = torch.tensor(self.owner)[order if rows is None else rows]
         generator, starts = torch.Generator(), []
         for i, owner in zip(order.tolist(), owners.tolist(), strict=True):
             generator.manual_seed(sample_seed(seed, epoch, i))

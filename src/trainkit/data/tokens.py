@@ -3,7 +3,8 @@
 `data.root` holds train.bin, val.bin, test.bin (token ids, np.uint16, or uint32 past 65535 ids; each
 document followed by the end-of-text token), tokenizer.json and meta.json (prepare_text.py). The split
 is by document and fixed when the corpus is prepared (a seeded permutation of the sorted file list).
-The .bin files are memory-mapped, never read whole: a corpus larger than memory trains alike.
+The .bin files are memory-mapped: a corpus larger than memory trains alike. The train split is read whole (int64, 4x a
+uint16 .bin, a copy per rank) only where it goes to the device (data.on_device; auto: where it fits, false: never).
 
 A train sample is a block of `block_size` tokens and the `block_size` tokens that follow each, at a
 position drawn uniformly from the whole split (nanoGPT's sampling: a block may cross a document's
@@ -210,9 +211,10 @@ class RandomBlocks(_Split, Dataset):
     def device_bytes(self) -> int:
         return len(self.tokens) * 8
 
-    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int):
+    def device_batches(self, tensors, order: torch.Tensor, batch_size: int, epoch: int, seed: int, rows=None):
         """The blocks of `order` (this rank's epoch) at the starts `seeded` draws, each from its sample's seed
-        (seed, epoch, index): computed on the host once an epoch, moved once, each micro-batch one gather."""
+        (seed, epoch, index): computed on the host once an epoch, moved once, each micro-batch one gather. (`rows`,
+        a debug subset's samples in the split: unused, any sample's block may start anywhere.)"""
         (tokens,) = tensors
         span = len(self.tokens) - self.block_size
         starts = torch.tensor([sample_seed(seed, epoch, i) % span for i in order.tolist()], dtype=torch.long)

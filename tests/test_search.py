@@ -549,7 +549,7 @@ def test_a_trial_a_signal_stopped_keeps_its_checkpoint_and_the_next_command_fini
 
 
 def test_a_study_whose_trials_were_all_pruned_ends_with_its_line_in_this_process(tmp_path, capsys):
-    """The cheap twin of the grid's slow test: every trial pruned is a study that did what it was asked."""
+    """Every trial pruned (of a random sampler; a grid: test_a_grid_ends_...) is a study that did what it was asked."""
     sweep = tmp_path / "sweep"
     study, _ = fake_study(sweep, ["pruned", "pruned"], n_trials=2)
     study.sweep(["optim.lr=choice(0.05,0.1)"])  # returns: exit 0

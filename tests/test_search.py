@@ -3,15 +3,21 @@ One study of 3 trials (each on 2 self-launched workers: one diverging, one prune
 alone) continued by a second command (one process, a trial pruned), a study stopped three ways (SIGTERM,
 Ctrl-C, SIGKILL) and finished by the next command each time, the two ranks of a torchrun study, a refusal
 through the command; in process (the sweeper with a launcher that trains nothing): a grid run to its end with
-every trial pruned, the sweeper's other refusals; the grammar and the storages."""
+every trial pruned, the sweeper's other refusals; the grammar and the storages. The commands but torchrun's
+start in a forkserver's fresh process that imported torch, Hydra and Optuna once (`command`)."""
 
 import functools
+import io
 import math
+import multiprocessing
 import os
 import re
 import runpy
 import signal
 import sqlite3
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +30,7 @@ from hydra.utils import instantiate
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
+import helpers
 from helpers import ROOT, compose_cfg, rows, run_train
 from trainkit.errors import ConfigError
 from trainkit.search import grammar, studies, sweeper
@@ -83,6 +90,45 @@ STUDY = (
 )
 
 
+def command(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python src/train.py <overrides>` as helpers.run_train(..., check=False) runs it, in a process that a
+    multiprocessing forkserver forks: a fresh interpreter (not this one: nothing of the tests' in-process runs is
+    in it) that imported train.py's modules, torch, Hydra and Optuna once. The child runs src/train.py as __main__
+    with its argv: Hydra's command line, the sweeper and its jobs, signals, the exit status (-N: killed by signal
+    N), its own stdout and stderr; less the ~5 s (10 under load) an interpreter takes to import them anew."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train", "optuna", "test_search"])  # once a pytest process: its first start
+    flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: before the overrides (argparse)
+    argv = [
+        str(ROOT / "src" / "train.py"),
+        *flags,
+        f"hydra.run.dir={run_dir}",
+        *(o for o in overrides if o not in flags),
+    ]
+    with tempfile.TemporaryDirectory() as streams:
+        out, err = Path(streams) / "stdout", Path(streams) / "stderr"
+        process = context.Process(target=_run_as_main, args=(argv, str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{' '.join(argv)} still running after {timeout:g} s")
+        return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(), err.read_text())
+
+
+def _run_as_main(argv: list[str], out: str, err: str) -> None:
+    """What `python <argv>` runs after the interpreter's start: in run_train's environment and directory, stdout
+    and stderr unbuffered into files (PYTHONUNBUFFERED=1), argv[0] as __main__."""
+    os.chdir(ROOT)
+    os.environ.update(helpers._env())  # run_train's (this process's is the forkserver's, the tests' at its start)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True) for fd in (1, 2))
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def trials(sweep: Path, name: str = "study.db", study: str = "digits_optuna") -> list:
     url = f"sqlite:///{sweep / name}" if name.endswith(".db") else str(sweep / name)  # .log: a journal file
     return studies.load(study, url).trials
@@ -96,9 +142,10 @@ def study(tmp_path_factory):
     common = (*STUDY, f"hydra.sweep.dir={sweep}")
     # parallel.timeout_s: ranks that disagreed on pruning would wait on each other's collectives; fail, not hang
     two_ranks = ("parallel.nproc_per_node=2", "parallel.timeout_s=120")
-    first = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=3", *two_ranks, *planted_pruner(1, 2))
+    first = command(sweep / "unused", *common, "hydra.sweeper.n_trials=3", *two_ranks, *planted_pruner(1, 2))
     earlier = trials(sweep)
-    second = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
+    second = command(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     return sweep, first, second, earlier
 
 
@@ -182,7 +229,7 @@ def test_a_searched_key_that_is_no_setting_is_one_line_before_a_storage_or_a_dir
     """A refusal of the sweeper through the command: exit status 2, one line, nothing written (the space is composed
     into the job's config by Hydra's loader first). Its other refusals, in process: test_the_sweeper_refuses_..."""
     sweep = tmp_path / "sweep"
-    unknown = run_train(tmp_path / "x", *STUDY, f"hydra.sweep.dir={sweep}", "model.nokey=choice(1,2)", check=False)
+    unknown = command(tmp_path / "x", *STUDY, f"hydra.sweep.dir={sweep}", "model.nokey=choice(1,2)")
     assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
         "error: model.nokey is not a setting of model; its settings: _target_, in_shape, num_classes, width, depth, "
@@ -264,7 +311,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     once: its newest checkpoint is step 10's), SIGKILL (trial 2's command dies: its heartbeats stop), then none."""
     sweep, markers = tmp_path / "sweep", tmp_path / "markers"
     markers.mkdir()
-    command = (
+    overrides = (
         *STUDY[:2],
         "optim.lr=0.05",
         "trainer.max_steps=20",
@@ -278,7 +325,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
         f"+model.markers={markers}",
         "+model.at_forward=15",  # a resumed trial trains at most 10 forwards: only a fresh one is stopped
     )
-    stopped = run_train(tmp_path / "unused", *command, check=False)
+    stopped = command(tmp_path / "unused", *overrides)
     assert stopped.returncode == 128 + signal.SIGTERM
     assert stopped.stderr.strip().splitlines()[-2:] == [
         "stopped by SIGTERM at step 15; checkpoint written; the same command resumes",
@@ -288,7 +335,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     (interrupted,) = trials(sweep)
     assert interrupted.state == TrialState.RUNNING and "interrupted" in interrupted.user_attrs
 
-    ctrl_c = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 0; trial 1 gets Ctrl-C
+    ctrl_c = command(tmp_path / "unused", *overrides)  # finishes trial 0; trial 1 gets Ctrl-C
     assert "study digits_optuna: finishing trial 0, stopped at its checkpoint" in ctrl_c.stdout
     assert f"resumed from {sweep / '0' / 'checkpoints' / 'step_00000015.pt'} at step 15" in ctrl_c.stdout
     assert ctrl_c.returncode == 128 + signal.SIGINT
@@ -303,7 +350,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     assert finished.value == max(r["val/acc"] for r in rows(sweep / "0") if "val/acc" in r)
     assert by_ctrl_c.state == TrialState.RUNNING and "interrupted" in by_ctrl_c.user_attrs
 
-    killed = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 1; trial 2's command is killed
+    killed = command(tmp_path / "unused", *overrides)  # finishes trial 1; trial 2's command is killed
     killed_at = time.monotonic()
     assert "study digits_optuna: finishing trial 1, stopped by Ctrl-C: from its newest checkpoint" in killed.stdout
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000010.pt'} at step 10" in killed.stdout
@@ -311,7 +358,8 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     assert [t.state for t in trials(sweep)] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.RUNNING]
 
     time.sleep(max(0.0, killed_at + 3 - time.monotonic()))  # past the grace period (a command starts in more)
-    again = run_train(tmp_path / "unused", *command)
+    again = command(tmp_path / "unused", *overrides)
+    assert again.returncode == 0, again.stderr
     checkpoint = sweep / "2" / "checkpoints" / "step_00000010.pt"
     assert "study digits_optuna: trial 2 lost its command (no heartbeat for 2 s): trial 3 finishes it" in again.stdout
     assert f"resumed from {checkpoint} at step 10" in again.stdout

@@ -642,3 +642,27 @@ class RecordingSGD(torch.optim.SGD):
     def step(self, closure=None):
         RecordingSGD.lrs.append([group["lr"] for group in self.param_groups])
         return super().step(closure)
+
+
+def small_resnet(
+    in_channels: int = 3, num_classes: int = 10, small_input: bool = True, activation_checkpointing: bool = False
+) -> nn.Module:
+    """model=resnet18 model._target_=helpers.small_resnet: resnet18's structure (torchvision's ResNet, its
+    _make_layer: layer1..layer4 of two BasicBlocks, BatchNorm after each conv, a downsampling shortcut from layer2
+    on; the CIFAR stem; layer1..layer4 checkpointed segments as resnet18's) at 4 to 32 channels, not 64 to 512: what
+    sharding or checkpointing by BasicBlock does, with the same state_dict keys, at 1/250 of its 11 M parameters."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    from trainkit.recompute import Staged
+
+    assert small_input  # the CIFAR stem: the tests' images are small
+    model = ResNet.__new__(ResNet)  # ResNet's own attributes and forward, without its fixed widths
+    nn.Module.__init__(model)
+    model._norm_layer, model.inplanes, model.dilation, model.groups, model.base_width = nn.BatchNorm2d, 4, 1, 1, 64
+    model.conv1 = nn.Conv2d(in_channels, 4, kernel_size=3, stride=1, padding=1, bias=False)
+    model.bn1, model.relu, model.maxpool = nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Identity()
+    for i in range(4):
+        layer = model._make_layer(BasicBlock, 4 << i, 2, stride=1 if i == 0 else 2)
+        setattr(model, f"layer{i + 1}", Staged(*layer) if activation_checkpointing else layer)
+    model.avgpool, model.fc = nn.AdaptiveAvgPool2d((1, 1)), nn.Linear(32, num_classes)
+    return model

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import compose_cfg, max_diff, rows, run_distributed, run_in_process, run_train, together, weights
+from helpers import compose_cfg, max_diff, rows, run_distributed, run_in_process, weights
 from trainkit import config
 from trainkit.coupled import CoupledWindows, note
 from trainkit.data.digits_views import DigitsViews
@@ -250,10 +250,9 @@ def test_an_out_of_memory_in_the_coupled_passes_halves_the_micro_batch_and_train
     the run is the one at micro-batch 16 throughout: the same weights bit for bit."""
     small = ["accumulation.global_batch_size=64", "optim=sgd", "optim.lr=0.5"]
     faulty = ["model._target_=helpers.faulty_model", "+model.name=trainkit.models.simclr.SimCLR", "+model.fault=oom"]
-    together(
-        lambda: run_train(tmp_path / "auto", *SIMCLR, *small, "data.batch_size=auto", *faulty, "+model.oom_above=32"),
-        lambda: run_train(tmp_path / "fixed", *SIMCLR, *small, "data.batch_size=16", "accumulation.steps=4"),
-    )
+    out = run_in_process(tmp_path / "auto", *SIMCLR, *small, "data.batch_size=auto", *faulty, "+model.oom_above=32")
+    run_in_process(tmp_path / "fixed", *SIMCLR, *small, "data.batch_size=16", "accumulation.steps=4")
+    assert out.count("micro-batch 64 -> 32 -> 16 (out of memory), K 1 -> 2 -> 4") == 1, out
     auto_rows = rows(tmp_path / "auto")
     assert {r["micro_batch"] for r in auto_rows if "micro_batch" in r} == {16}
     fixed = weights(tmp_path / "fixed")

@@ -21,6 +21,7 @@ from helpers import (
     rows,
     run_distributed,
     run_in_process,
+    small_resnet,
     weights,
     without_timings,
 )
@@ -368,9 +369,14 @@ def test_fsdp_with_sync_bn_two_ranks_b16_equal_batchnorm_one_process_b32(tmp_pat
 
 @pytest.mark.slow
 def test_fsdp_resnet18_by_basic_block_with_sync_bn_and_accumulation(tmp_path):
+    """resnet18's structure (helpers.small_resnet: its BasicBlocks and BatchNorms at 1/250 of the parameters;
+    test_experiments trains resnet18 itself by BasicBlock, fsdp_resnet18_fake) sharded per BasicBlock, SyncBN
+    inside the units, K=2: BatchNorm moved once a micro-batch, one reduce-scatter round a step, a plain model.pt."""
     run_in_process(
         tmp_path,
         "model=resnet18",
+        "model._target_=helpers.small_resnet",
+        "model.small_input=true",
         "data=fake",
         "data.splits.train_size=64",
         "data.splits.val_size=12",
@@ -384,7 +390,7 @@ def test_fsdp_resnet18_by_basic_block_with_sync_bn_and_accumulation(tmp_path):
     )
     got = weights(tmp_path)
     assert got["layer1.0.bn1.num_batches_tracked"].item() == 4  # 2 steps x K=2 micro-batches
-    resnet18(3, 10).load_state_dict(got)
+    small_resnet(3, 10).load_state_dict(got)
     assert all(r["comm/grad_syncs"] == 1.0 for r in rows(tmp_path) if "loss" in r)
 
 

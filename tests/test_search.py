@@ -1,18 +1,23 @@
 """hparams_search=digits_optuna: an Optuna study through trainkit's own Hydra sweeper (trainkit.search).
 One study of 3 trials (each on 2 self-launched workers: one diverging, one pruned by rank 1's pruner
 alone) continued by a second command (one process, a trial pruned), a study stopped three ways (SIGTERM,
-Ctrl-C, SIGKILL) and finished by the next command each time, a grid run to its end with every trial
-pruned, the two ranks of a torchrun study, the grammar, the storages and the sweeper's refusals."""
+Ctrl-C, SIGKILL) and finished by the next command each time, the two ranks of a torchrun study, a refusal
+through the command; in process (the sweeper with a launcher that trains nothing): a grid run to its end with
+every trial pruned, the sweeper's other refusals; the grammar and the storages. The commands but torchrun's
+start in a forkserver's fresh process that imported torch, Hydra and Optuna once (`command`)."""
 
 import functools
+import io
 import math
+import multiprocessing
 import os
 import re
-import shutil
+import runpy
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +30,8 @@ from hydra.utils import instantiate
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from helpers import ROOT, compose_cfg, rows, run_train, together
+import helpers
+from helpers import ROOT, compose_cfg, rows, run_train
 from trainkit.errors import ConfigError
 from trainkit.search import grammar, studies, sweeper
 
@@ -84,6 +90,45 @@ STUDY = (
 )
 
 
+def command(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python src/train.py <overrides>` as helpers.run_train(..., check=False) runs it, in a process that a
+    multiprocessing forkserver forks: a fresh interpreter (not this one: nothing of the tests' in-process runs is
+    in it) that imported train.py's modules, torch, Hydra and Optuna once. The child runs src/train.py as __main__
+    with its argv: Hydra's command line, the sweeper and its jobs, signals, the exit status (-N: killed by signal
+    N), its own stdout and stderr; less the ~5 s (10 under load) an interpreter takes to import them anew."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["train", "optuna", "test_search"])  # once a pytest process: its first start
+    flags = [o for o in overrides if o.startswith("-")]  # e.g. -m: before the overrides (argparse)
+    argv = [
+        str(ROOT / "src" / "train.py"),
+        *flags,
+        f"hydra.run.dir={run_dir}",
+        *(o for o in overrides if o not in flags),
+    ]
+    with tempfile.TemporaryDirectory() as streams:
+        out, err = Path(streams) / "stdout", Path(streams) / "stderr"
+        process = context.Process(target=_run_as_main, args=(argv, str(out), str(err)))
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{' '.join(argv)} still running after {timeout:g} s")
+        return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(), err.read_text())
+
+
+def _run_as_main(argv: list[str], out: str, err: str) -> None:
+    """What `python <argv>` runs after the interpreter's start: in run_train's environment and directory, stdout
+    and stderr unbuffered into files (PYTHONUNBUFFERED=1), argv[0] as __main__."""
+    os.chdir(ROOT)
+    os.environ.update(helpers._env())  # run_train's (this process's is the forkserver's, the tests' at its start)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True) for fd in (1, 2))
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def trials(sweep: Path, name: str = "study.db", study: str = "digits_optuna") -> list:
     url = f"sqlite:///{sweep / name}" if name.endswith(".db") else str(sweep / name)  # .log: a journal file
     return studies.load(study, url).trials
@@ -97,9 +142,10 @@ def study(tmp_path_factory):
     common = (*STUDY, f"hydra.sweep.dir={sweep}")
     # parallel.timeout_s: ranks that disagreed on pruning would wait on each other's collectives; fail, not hang
     two_ranks = ("parallel.nproc_per_node=2", "parallel.timeout_s=120")
-    first = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=3", *two_ranks, *planted_pruner(1, 2))
+    first = command(sweep / "unused", *common, "hydra.sweeper.n_trials=3", *two_ranks, *planted_pruner(1, 2))
     earlier = trials(sweep)
-    second = run_train(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
+    second = command(sweep / "unused", *common, "hydra.sweeper.n_trials=2", *planted_pruner(0, 4))
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
     return sweep, first, second, earlier
 
 
@@ -165,7 +211,7 @@ def test_a_continued_study_draws_new_trials(study):
 @pytest.mark.slow
 def test_report_tables_the_trials_and_plots_the_history(study):
     sweep = study[0]
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(sweep)], check=True, timeout=120)
+    assert runpy.run_path(str(ROOT / "scripts" / "report.py"))["main"]([str(sweep)]) == 0  # its main, in process
     report = (sweep / "report.md").read_text()
     stored = trials(sweep)
     best = max((t for t in stored if t.value is not None), key=lambda t: t.value)
@@ -179,103 +225,17 @@ def test_report_tables_the_trials_and_plots_the_history(study):
 
 
 @pytest.mark.slow
-def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_and_fails_with_no_trial(study):
-    sweep = study[0]
-    other_study = (f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=x")
-    contradicting = (f"hydra.sweep.dir={sweep}2", "hydra.sweeper.direction=minimize")
-    diverging = (f"hydra.sweep.dir={sweep}3", "optim.lr=choice(1e6)", "hydra.sweeper.n_trials=1")
-    shutil.copytree(sweep, f"{sweep}4")  # the same study, asked with another space for optim.lr
-    respaced = (f"hydra.sweep.dir={sweep}4", "optim.lr=interval(0.01,0.1)")
-    no_key = (f"hydra.sweep.dir={sweep}5", "model.nokey=choice(1,2)")  # refused before a storage or a dir exists
-    reversed_ = (f"hydra.sweep.dir={sweep}6", "optim.weight_decay=interval(0.1,0)")
-    other, direction, failing, another_space, unknown, empty = together(
-        lambda: run_train(sweep / "x", *STUDY, *other_study, check=False),
-        lambda: run_train(sweep / "x", *STUDY, *contradicting, check=False),
-        lambda: run_train(sweep / "x", *STUDY, *diverging, check=False),
-        lambda: run_train(sweep / "x", *STUDY, *respaced, check=False),
-        lambda: run_train(sweep / "x", *STUDY, *no_key, check=False),
-        lambda: run_train(sweep / "x", *STUDY, *reversed_, check=False),
-    )
-    assert (unknown.returncode, empty.returncode) == (2, 2)
+def test_a_searched_key_that_is_no_setting_is_one_line_before_a_storage_or_a_dir_exists(tmp_path):
+    """A refusal of the sweeper through the command: exit status 2, one line, nothing written (the space is composed
+    into the job's config by Hydra's loader first). Its other refusals, in process: test_the_sweeper_refuses_..."""
+    sweep = tmp_path / "sweep"
+    unknown = command(tmp_path / "x", *STUDY, f"hydra.sweep.dir={sweep}", "model.nokey=choice(1,2)")
+    assert unknown.returncode == 2
     assert unknown.stderr.strip().splitlines() == [
         "error: model.nokey is not a setting of model; its settings: _target_, in_shape, num_classes, width, depth, "
         "dropout"
     ]
-    assert empty.stderr.strip().splitlines() == [
-        "error: hydra.sweeper.params: optim.weight_decay=interval(0.1,0) is empty (interval(low, high) needs "
-        "low < high)"
-    ]
-    assert not Path(f"{sweep}5").exists() and not Path(f"{sweep}6").exists()
-    assert other.returncode == 2
-    assert other.stderr.strip().splitlines() == [
-        f"error: {sweep / '0'} holds a run, but study x has 0 trials: a new trial would resume it; use another "
-        "hydra.sweep.dir (or the study that trained it)"
-    ]
-    assert direction.returncode == 2
-    assert direction.stderr.strip().splitlines() == [
-        "error: hydra.sweeper.direction=minimize contradicts checkpoint.mode: the objective, the run's best "
-        "val/acc, is maximized (leave direction auto)"
-    ]
-    assert not (Path(f"{sweep}2") / "0").exists()
-    assert failing.returncode == 1  # a study with no completed trial has nothing to give: a failure
-    assert failing.stderr.strip().splitlines()[-2:] == [
-        "trial 0 failed: non-finite loss or gradient in steps 1-10 (trainer.on_nonfinite=raise; skip drops "
-        "such windows)",
-        "error: study digits_optuna: 1 trials (1 failed, 0 pruned), 1 in all; no trial completed",
-    ]
-    assert another_space.returncode == 2
-    assert another_space.stderr.strip().splitlines() == [
-        "error: hydra.sweeper.params: optim.lr: Cannot set different distribution kind to the same parameter name. "
-        "Study digits_optuna searched another space for it: change the space in a new study (hydra.sweeper.study_name, "
-        "or another hydra.sweep.dir)"
-    ]
-    assert len(trials(Path(f"{sweep}4"))) == 5  # refused before a trial was asked (none left running)
-
-
-@pytest.fixture(scope="module")
-def grid(tmp_path_factory):
-    """A grid of 2 points, every trial pruned at its first evaluation: n_trials=5 (the grid ends it after 2), then the
-    same command again (no point left)."""
-    sweep = tmp_path_factory.mktemp("grid") / "sweep"
-    command = (
-        "-m",
-        "hydra/sweeper=optuna_study",
-        "hydra/sweeper/sampler=grid",
-        "optim.lr=choice(0.05,0.1)",
-        "hydra.sweeper.pruner={_target_:test_search.PlantedPruner,rank:0,trial:null}",  # prunes every trial
-        "hydra.sweeper.n_trials=5",
-        "trainer.max_steps=10",
-        "trainer.eval_every=5",
-        "checkpoint.every=5",
-        f"hydra.sweep.dir={sweep}",
-    )
-    runs = [run_train(sweep / "unused", *command, check=False) for _ in range(2)]
-    return sweep, runs
-
-
-@pytest.mark.slow
-def test_a_grid_ends_when_its_points_are_run_and_then_trains_nothing(grid):
-    sweep, (whole_grid, complete) = grid
-    assert whole_grid.returncode == 0, whole_grid.stderr  # not Optuna's RuntimeError from study.stop()
-    assert "Traceback" not in whole_grid.stderr
-    assert whole_grid.stdout.count("done: ") == 2  # n_trials=5 on a grid of 2 points: 2 trials
-    assert "study train: its grid of 2 points is complete" in whole_grid.stdout
-    assert sorted(t.params["optim.lr"] for t in trials(sweep, name="study.db", study="train")) == [0.05, 0.1]
-    assert complete.returncode == 0, complete.stderr
-    assert "done: " not in complete.stdout and not (sweep / "2").exists()  # trains nothing: n_trials counts the
-    assert "study train: its grid of 2 points is complete: nothing to train" in complete.stdout  # points run
-    assert "study train: 0 trials (0 failed, 0 pruned), 2 in all" in complete.stdout
-
-
-@pytest.mark.slow
-def test_a_study_whose_trials_were_all_pruned_ends_with_its_summary_and_exit_0(grid):
-    sweep, (whole_grid, _) = grid
-    assert [t.state for t in trials(sweep, study="train")] == [TrialState.PRUNED] * 2
-    assert whole_grid.returncode == 0, whole_grid.stderr  # every trial did what it was asked: not a failed job
-    assert whole_grid.stdout.strip().splitlines()[-1] == (
-        "study train: 2 trials (0 failed, 2 pruned), 2 in all; no trial completed: every trial was pruned, no best "
-        "trial"
-    )
+    assert not sweep.exists()
 
 
 @pytest.mark.slow
@@ -351,7 +311,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     once: its newest checkpoint is step 10's), SIGKILL (trial 2's command dies: its heartbeats stop), then none."""
     sweep, markers = tmp_path / "sweep", tmp_path / "markers"
     markers.mkdir()
-    command = (
+    overrides = (
         *STUDY[:2],
         "optim.lr=0.05",
         "trainer.max_steps=20",
@@ -365,7 +325,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
         f"+model.markers={markers}",
         "+model.at_forward=15",  # a resumed trial trains at most 10 forwards: only a fresh one is stopped
     )
-    stopped = run_train(tmp_path / "unused", *command, check=False)
+    stopped = command(tmp_path / "unused", *overrides)
     assert stopped.returncode == 128 + signal.SIGTERM
     assert stopped.stderr.strip().splitlines()[-2:] == [
         "stopped by SIGTERM at step 15; checkpoint written; the same command resumes",
@@ -375,7 +335,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     (interrupted,) = trials(sweep)
     assert interrupted.state == TrialState.RUNNING and "interrupted" in interrupted.user_attrs
 
-    ctrl_c = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 0; trial 1 gets Ctrl-C
+    ctrl_c = command(tmp_path / "unused", *overrides)  # finishes trial 0; trial 1 gets Ctrl-C
     assert "study digits_optuna: finishing trial 0, stopped at its checkpoint" in ctrl_c.stdout
     assert f"resumed from {sweep / '0' / 'checkpoints' / 'step_00000015.pt'} at step 15" in ctrl_c.stdout
     assert ctrl_c.returncode == 128 + signal.SIGINT
@@ -390,7 +350,7 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     assert finished.value == max(r["val/acc"] for r in rows(sweep / "0") if "val/acc" in r)
     assert by_ctrl_c.state == TrialState.RUNNING and "interrupted" in by_ctrl_c.user_attrs
 
-    killed = run_train(tmp_path / "unused", *command, check=False)  # finishes trial 1; trial 2's command is killed
+    killed = command(tmp_path / "unused", *overrides)  # finishes trial 1; trial 2's command is killed
     killed_at = time.monotonic()
     assert "study digits_optuna: finishing trial 1, stopped by Ctrl-C: from its newest checkpoint" in killed.stdout
     assert f"resumed from {sweep / '1' / 'checkpoints' / 'step_00000010.pt'} at step 10" in killed.stdout
@@ -398,7 +358,8 @@ def test_a_trial_stopped_by_sigterm_ctrl_c_or_sigkill_is_finished_by_the_next_co
     assert [t.state for t in trials(sweep)] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.RUNNING]
 
     time.sleep(max(0.0, killed_at + 3 - time.monotonic()))  # past the grace period (a command starts in more)
-    again = run_train(tmp_path / "unused", *command)
+    again = command(tmp_path / "unused", *overrides)
+    assert again.returncode == 0, again.stderr
     checkpoint = sweep / "2" / "checkpoints" / "step_00000010.pt"
     assert "study digits_optuna: trial 2 lost its command (no heartbeat for 2 s): trial 3 finishes it" in again.stdout
     assert f"resumed from {checkpoint} at step 10" in again.stdout
@@ -599,13 +560,12 @@ class FakeLauncher:
         return returns
 
 
-def fake_study(sweep: Path, jobs: list, n_trials: int) -> tuple[sweeper.Study, FakeLauncher]:
-    """A command of study "s" in `sweep` (sqlite), its jobs played by FakeLauncher; the space is not composed."""
+def fake_study(sweep: Path, jobs: list, n_trials: int, **settings) -> tuple[sweeper.Study, FakeLauncher]:
+    """A command of study "s" in `sweep` (sqlite), its jobs played by FakeLauncher; the space is not composed.
+    `settings`: more of hydra.sweeper's (a sampler of its own, a direction)."""
     storage = f"sqlite:///{sweep / 'study.db'}"
-    study = sweeper.Study(
-        sampler=optuna.samplers.RandomSampler(seed=0), storage=storage, study_name="s", n_trials=n_trials,
-        heartbeat_interval=None,
-    )  # fmt: skip
+    settings = {"sampler": optuna.samplers.RandomSampler(seed=0), **settings}
+    study = sweeper.Study(storage=storage, study_name="s", n_trials=n_trials, heartbeat_interval=None, **settings)
     config = compose_cfg(f"hydra.sweep.dir={sweep}", "trainer.max_steps=5", with_hydra=True)
     study.config, study.sweep_dir, study.leader, study.lockstep = config, sweep, True, None
     study.objective_key, study.direction = study._direction(config)
@@ -637,7 +597,7 @@ def test_a_trial_a_signal_stopped_keeps_its_checkpoint_and_the_next_command_fini
 
 
 def test_a_study_whose_trials_were_all_pruned_ends_with_its_line_in_this_process(tmp_path, capsys):
-    """The cheap twin of the grid's slow test: every trial pruned is a study that did what it was asked."""
+    """Every trial pruned (of a random sampler; a grid: test_a_grid_ends_...) is a study that did what it was asked."""
     sweep = tmp_path / "sweep"
     study, _ = fake_study(sweep, ["pruned", "pruned"], n_trials=2)
     study.sweep(["optim.lr=choice(0.05,0.1)"])  # returns: exit 0
@@ -645,3 +605,73 @@ def test_a_study_whose_trials_were_all_pruned_ends_with_its_line_in_this_process
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "study s: 2 trials (0 failed, 2 pruned), 2 in all; no trial completed: every trial was pruned, no best trial"
     )
+
+
+def test_the_sweeper_refuses_another_studys_dir_and_a_contradicting_direction_and_fails_with_no_trial(tmp_path, capsys):
+    """Each refusal is a ConfigError before a trial is asked (the command's one line and exit status 2, as
+    test_a_searched_key_that_is_no_setting_... shows through a command); a study with no completed trial and a
+    failed one ends with its line and exit status 1 (a failed trial of a real run: the study fixture's trial 0)."""
+    other = tmp_path / "other"  # a dir that holds another study's run: its job 0 would resume it
+    (other / "0").mkdir(parents=True)
+    (other / "0" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError) as refused:
+        fake_study(other, [0.5], n_trials=1)[0].sweep(["optim.lr=choice(0.05,0.1)"])
+    assert str(refused.value) == (
+        f"{other / '0'} holds a run, but study s has 0 trials: a new trial would resume it; use another "
+        "hydra.sweep.dir (or the study that trained it)"
+    )
+    assert optuna.get_all_study_names(f"sqlite:///{other / 'study.db'}") == []  # no trial asked
+    # (the sweeper's setup decides the direction, before a storage or a dir exists)
+    with pytest.raises(ConfigError) as refused:
+        fake_study(tmp_path / "direction", [], n_trials=1, direction="minimize")
+    assert str(refused.value) == (
+        "hydra.sweeper.direction=minimize contradicts checkpoint.mode: the objective, the run's best val/acc, is "
+        "maximized (leave direction auto)"
+    )
+    reversed_ = tmp_path / "reversed"
+    with pytest.raises(ConfigError) as refused:
+        fake_study(reversed_, [], n_trials=1)[0].sweep(["optim.weight_decay=interval(0.1,0)"])
+    assert str(refused.value) == (
+        "hydra.sweeper.params: optim.weight_decay=interval(0.1,0) is empty (interval(low, high) needs low < high)"
+    )
+    assert not reversed_.exists()
+    respaced = tmp_path / "respaced"  # the same study asked with another space for optim.lr
+    fake_study(respaced, [0.5], n_trials=1)[0].sweep(["optim.lr=choice(0.05,0.1)"])
+    with pytest.raises(ConfigError) as refused:
+        fake_study(respaced, [], n_trials=1)[0].sweep(["optim.lr=interval(0.01,0.1)"])
+    assert str(refused.value) == (
+        "hydra.sweeper.params: optim.lr: Cannot set different distribution kind to the same parameter name. "
+        "Study s searched another space for it: change the space in a new study (hydra.sweeper.study_name, "
+        "or another hydra.sweep.dir)"
+    )
+    assert len(trials(respaced, study="s")) == 1  # refused before a trial was asked (none left running)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        fake_study(tmp_path / "failing", [math.nan], n_trials=1)[0].sweep(["optim.lr=choice(1e6)"])
+    assert exited.value.code == 1  # a study with no completed trial has nothing to give: a failure
+    assert capsys.readouterr().err.strip().splitlines()[-2:] == [
+        "trial 0 failed: the objective is nan, not a number",
+        "error: study s: 1 trials (1 failed, 0 pruned), 1 in all; no trial completed",
+    ]
+
+
+def test_a_grid_ends_when_its_points_are_run_and_then_trains_nothing(tmp_path, capsys):
+    """hydra/sweeper/sampler=grid (GridSampler, partial): n_trials=5 on a grid of 2 points runs 2 trials and ends
+    (not with Optuna's RuntimeError from GridSampler's study.stop() outside optimize); the same command again trains
+    nothing (n_trials counts the points left). Every trial pruned: the summary, and sweep returns (exit 0)."""
+    sweep, grid = tmp_path / "sweep", functools.partial(optuna.samplers.GridSampler, seed=None)
+    whole_grid, launched = fake_study(sweep, ["pruned", "pruned"], n_trials=5, sampler=grid)
+    whole_grid.sweep(["optim.lr=choice(0.05,0.1)"])
+    out = capsys.readouterr().out
+    assert [number for number, _ in launched.launched] == [0, 1]
+    assert "study s: its grid of 2 points is complete" in out
+    assert out.strip().splitlines()[-1] == (
+        "study s: 2 trials (0 failed, 2 pruned), 2 in all; no trial completed: every trial was pruned, no best trial"
+    )
+    assert sorted(t.params["optim.lr"] for t in trials(sweep, study="s")) == [0.05, 0.1]
+    complete, relaunched = fake_study(sweep, [], n_trials=5, sampler=grid)
+    complete.sweep(["optim.lr=choice(0.05,0.1)"])
+    out = capsys.readouterr().out
+    assert relaunched.launched == [] and not (sweep / "2").exists()
+    assert "study s: its grid of 2 points is complete: nothing to train" in out
+    assert "study s: 0 trials (0 failed, 0 pruned), 2 in all" in out

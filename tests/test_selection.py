@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process, run_train
+from helpers import assert_equal, compose_cfg, final_test_row, max_diff, rows, run_in_process
 from trainkit.errors import ConfigError
 from trainkit.selection import Selection, monitored
 from trainkit.tasks.classification import Classification
@@ -100,10 +100,11 @@ def test_a_monitor_the_evaluation_does_not_report_is_refused_before_training(mon
         monitored(monitor, "auto", task, averaged)
 
 
-def test_bad_values_are_one_line_errors(tmp_path):
-    proc = run_train(tmp_path / "run", "checkpoint.monitor=val/accuracy", check=False)  # before any step
-    assert proc.returncode == 2 and not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert proc.stderr.strip() == (
+def test_bad_values_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:  # train.py's run after Hydra composed: refused before any step
+        run_in_process(tmp_path / "run", "checkpoint.monitor=val/accuracy")
+    assert exited.value.code == 2 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert capsys.readouterr().err.strip() == (
         "error: checkpoint.monitor=val/accuracy is not a metric of this run's evaluation (val/loss, val/acc)"
     )
     with pytest.raises(ConfigError, match="checkpoint.mode=best is not one of: auto, max, min"):

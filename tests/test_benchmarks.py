@@ -1,8 +1,13 @@
-"""The benchmark scripts run end to end (--quick) and count what they claim to count; no timing
-assertions (the numbers of a quick run mean nothing)."""
+"""The benchmark scripts run end to end at their smallest sizes and count what they claim to count; no timing
+assertions (the numbers of a quick run mean nothing). Each runs as its command line runs it, as __main__ with its
+arguments, but in a forked process of this one (torch already imported: 0.3 s to start, a fresh interpreter ~5 s);
+the commands a script starts itself (train.py's runs) are real commands."""
 
+import contextlib
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 from unittest import mock
@@ -10,26 +15,48 @@ from unittest import mock
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, run_distributed, together
 from trainkit.checkpoint import step_name
 from trainkit.dist import Dist
 
 CPU = Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    """python <args> from the repository root, one thread per process; it must exit 0."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+def script_rank(rank: int, world_size: int, argv: tuple[str, ...], torchrun: bool) -> str:
+    """A rank of run_distributed: `python <argv>` in this forked process (torchrun: one rank of `torchrun
+    --nproc_per_node=<world_size> <argv>`, in the environment torchrun gives it); returns what it printed to
+    stdout. Worker processes the script asks torch.multiprocessing to spawn are forked too."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # for the commands it starts, too
+    if torchrun:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    start = torch.multiprocessing.start_processes
+
+    def forked(*args, **kwargs):
+        return start(*args, **{**kwargs, "start_method": "fork"})
+
+    out = io.StringIO()
+    spawned = mock.patch.object(torch.multiprocessing, "start_processes", forked)
+    with mock.patch.object(sys, "argv", list(argv)), contextlib.redirect_stdout(out), spawned:
+        try:
+            runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
+        except SystemExit as exited:  # argparse's --help exits 0
+            if exited.code:
+                raise AssertionError(f"{' '.join(argv)} exited with {exited.code!r}:\n{out.getvalue()}") from None
+    return out.getvalue()
+
+
+def run_script(*argv: str, nproc: int = 1) -> str:
+    """What `python <argv>` (nproc=1) or `torchrun --nproc_per_node=<nproc> <argv>` prints to stdout (the ranks'
+    output in rank order), one thread per process; a script that fails fails the test."""
+    return "".join(run_distributed(script_rank, nproc, argv, nproc > 1, group=False))
 
 
 @pytest.mark.slow
 def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
     out = tmp_path / "bench.json"
     models = ["mlp"]  # gpt and resnet18 run the same code, only slower
-    proc = run_script("scripts/bench_accumulation.py", "--quick", "--models", *models, "--out", str(out))
+    stdout = run_script("scripts/bench_accumulation.py", "--quick", "--models", *models, "--out", str(out))
     result = json.loads(out.read_text())
     K = result["settings"]["K"]
     assert K > 1
@@ -43,8 +70,8 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
         for variant, syncs in expected.items():
             assert summary[variant]["syncs_per_step"] == syncs, (model, variant, summary[variant])
             assert summary[variant]["median"] > 0
-        assert f"| {model} |" in proc.stdout
-        assert f"no_sync / sync every micro-batch, {model} (samples/s): hand-written DDP loop" in proc.stdout
+        assert f"| {model} |" in stdout
+        assert f"no_sync / sync every micro-batch, {model} (samples/s): hand-written DDP loop" in stdout
         assert summary["trainkit"]["speedup_over_own"]["median"] > 0
     rows = result["rows"]
     assert {(r["model"], r["variant"]) for r in rows} == {(m, v) for m in models for v in expected} | {
@@ -53,7 +80,7 @@ def test_bench_accumulation_counts_the_syncs_of_every_variant(tmp_path):
     assert all(r["s_per_micro_batch"] > 0 for r in rows)
     assert all(r["syncs_per_step"] == 0 for r in rows if r["variant"] == "one_process")
     assert all(e["scaling_efficiency"] > 0 for e in result["summary"]["mlp"].values())
-    assert "scaling efficiency, mlp" in proc.stdout
+    assert "scaling efficiency, mlp" in stdout
 
 
 @pytest.mark.slow
@@ -62,20 +89,21 @@ def test_bench_train_runs_the_three_loops_interleaved_single_and_ddp(launcher):
     """A quick run of each: the three loops train interleaved and both ratios are printed (their values mean
     nothing here); under torchrun the ranks' DDP loops and trainkit's interleave the same way (no hang). One
     process adds --breakdown: the Python calls per step of the tensor loop and trainkit, then the hooks' CPU time."""
-    script = ["scripts/bench_train.py", "--steps", "80", "--every", "5", "data.batch_size=8"]
-    if launcher == "torchrun":
-        script = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script, "accumulation.steps=2"]
-    else:
-        script.insert(-1, "--breakdown")
-    proc = run_script(*script)
+    # --steps: its least, 8 segments of --every
+    script = ["scripts/bench_train.py", "--steps", "8", "--every", "1", "data.batch_size=8", "trainer.test=false"]
     ranks = 2 if launcher == "torchrun" else 1
-    assert f"{ranks} rank(s), K={ranks}" in proc.stdout
+    if launcher == "torchrun":
+        script.append("accumulation.steps=2")
+    else:
+        script.insert(1, "--breakdown")
+    stdout = run_script(*script, nproc=ranks)
+    assert f"{ranks} rank(s), K={ranks}" in stdout
     for baseline in ("tensor-slicing loop", "DataLoader loop"):
-        assert proc.stdout.count(f"ratio trainkit / {baseline}:") == 1, proc.stdout
+        assert stdout.count(f"ratio trainkit / {baseline}:") == 1, stdout
     if launcher == "python":
         for line in ("| function calls per step (cProfile) |", "| all |", "| rng: seed_step", "| all hooks |"):
-            assert proc.stdout.count(line) == 1, proc.stdout
-        assert "| bare_step (train.py:" in proc.stdout  # trainkit's own step: a call per step the tensor loop lacks
+            assert stdout.count(line) == 1, stdout
+        assert "| bare_step (train.py:" in stdout  # trainkit's own step: a call per step the tensor loop lacks
 
 
 def test_interleaved_segments_cover_the_same_steps_of_each_loop():
@@ -127,30 +155,31 @@ def test_bench_train_paths_row_each_data_path_with_its_data_wait():
 def test_bench_memory_help_is_its_whole_docstring_not_a_cut_first_line():
     import ast
 
-    script = ROOT / "scripts/bench_memory.py"
-    doc = ast.get_docstring(ast.parse(script.read_text()), clean=False)
-    shown = run_script(str(script), "--help").stdout
+    doc = ast.get_docstring(ast.parse((ROOT / "scripts/bench_memory.py").read_text()), clean=False)
+    shown = run_script("scripts/bench_memory.py", "--help")
     assert all(line.strip() in shown for line in doc.strip().splitlines())
 
 
 @pytest.mark.slow
 def test_bench_launch_times_one_process_and_self_launched_workers():
-    proc = run_script("scripts/bench_launch.py", "trainer.max_steps=2", "--repeats", "1", "--variants", "plain", "fork")
-    rows = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows == ["command (trainer.max_steps=2)", "plain", "fork"], proc.stdout
+    stdout = run_script(
+        "scripts/bench_launch.py", "trainer.max_steps=1", "--repeats", "1", "--variants", "plain", "fork"
+    )
+    rows = [line.split("|")[1].strip() for line in stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["command (trainer.max_steps=1)", "plain", "fork"], stdout
 
 
 @pytest.mark.slow
 def test_bench_finetune_prints_the_probes_ratios_and_reduces_only_the_classifier(tmp_path):
     out = tmp_path / "bench.json"
     small = ["model.channels=4", "model.width=16", "data.batch_size=8"]  # a classifier of 16 x 10 + 10
-    proc = run_script(
-        "scripts/bench_finetune.py", "--rounds", "1", "--steps", "4", "--every", "2", "--out", str(out), *small
+    stdout = run_script(
+        "scripts/bench_finetune.py", "--rounds", "1", "--steps", "2", "--every", "1", "--out", str(out), *small
     )
     figures = json.loads(out.read_text())["figures"]
     assert figures["probe"]["grad_bytes"] == (16 * 10 + 10) * 4 == figures["probe"]["trainable"] * 4
     assert figures["full"]["grad_bytes"] == figures["full"]["trainable"] * 4 > figures["probe"]["grad_bytes"]
-    assert proc.stdout.count("ratio probe / full: step time ") == 1, proc.stdout
+    assert stdout.count("ratio probe / full: step time ") == 1, stdout
 
 
 def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(tmp_path):
@@ -174,7 +203,7 @@ def test_compare_runs_prints_the_largest_difference_at_each_step_both_runs_kept(
         {**zero, "b": torch.ones(2)},
         "module.",
     )
-    lines = run_script("scripts/compare_runs.py", one, two).stdout.splitlines()
+    lines = run_script("scripts/compare_runs.py", one, two).splitlines()
     assert [line.split() for line in lines[1:]] == [["10", "2.50e-01"], ["20", "-"], ["end", "1.00e+00"]]
 
 
@@ -183,15 +212,18 @@ def test_gpu_check_without_a_gpu_exits_2_with_one_line_in_both_sizes_and_its_hel
     """scripts/gpu_check.sh (issue 52): on a machine without CUDA, the full check and --quick stop at once with one
     line and exit 2, leaving no log dir; --help gives both sizes and their time budgets."""
     env = dict(os.environ, PY=sys.executable, OUT=str(tmp_path / "out"), OMP_NUM_THREADS="1")
-    for args in ([], ["--quick"]):
-        proc = subprocess.run(
+
+    def gpu_check(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
             ["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True
         )
+
+    for proc in together(gpu_check, lambda: gpu_check("--quick")):  # side by side: each starts a python with torch
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert proc.stderr.splitlines() == ["error: no CUDA device visible (torch.cuda.device_count() = 0)"]
         assert proc.stdout == "" and not (tmp_path / "out").exists()
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
+    proc = gpu_check("--help")
     assert proc.returncode == 0 and "--quick    at most 4 minutes on one GPU" in proc.stdout
     assert "the full check: about 7 minutes" in proc.stdout and "exit status" in proc.stdout
-    wrong = subprocess.run(["bash", "scripts/gpu_check.sh", "--fast"], cwd=ROOT, capture_output=True, text=True)
+    wrong = gpu_check("--fast")
     assert wrong.returncode == 2 and "unknown argument --fast" in wrong.stderr

@@ -3,10 +3,7 @@ classes in the config, and one-line refusals of a folder that cannot be used."""
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -235,19 +232,24 @@ def test_resnet18_fits_the_folder_with_no_other_keys(folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_data_times_the_loaders_side_by_side_for_images_and_tokens(tmp_path):
+def test_bench_data_times_the_loaders_side_by_side_for_images_and_tokens(tmp_path, capsys, monkeypatch):
+    """scripts/bench_data.py's smoke run, its main() in this process (it takes its arguments): the four loaders'
+    rows of both sections, at 0 workers (no process to start)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_data
+
     out = tmp_path / "bench.json"
-    sections = ["--images", "--tokens", "--quick", "--workers", "0"]
-    cmd = [sys.executable, "scripts/bench_data.py", *sections, "--out", str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr
+    threads = torch.get_num_threads()
+    try:
+        bench_data.main(["--images", "--tokens", "--quick", "--workers", "0", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # main's one thread, for this process's later tests too
     images, tokens = json.loads(out.read_text())
     assert (images["samples"], images["workers"], tokens["samples"], tokens["tokens_per_sample"]) == (128, 0, 256, 256)
     for row in (images, tokens):
         assert all(row[k] > 0 for k in ("plain", "trainkit", "unseeded"))
-    assert "| images | 0 |" in proc.stdout and "| tokens | 0 |" in proc.stdout
+    stdout = capsys.readouterr().out
+    assert "| images | 0 |" in stdout and "| tokens | 0 |" in stdout
 
 
 def test_a_resume_on_a_changed_folder_is_refused_naming_it(folder, tmp_path, capsys):

@@ -41,6 +41,17 @@ def compiled_rank(rank: int, world_size: int, run_dir: str, overrides: tuple[str
     return counters["stats"]["unique_graphs"]
 
 
+def compiler_loaded() -> None:
+    """What a process pays before its first graph, paid here once before the ranks fork instead of in each: inductor's
+    modules and its cache's keys (hashes of torch's and triton's sources), 3-5 s a rank on a loaded machine (the two
+    ranks of a mode 18-22 s, 7.5-8.5 s after this). Nothing is compiled in this process."""
+    import torch._inductor.compile_fx  # noqa: F401  (torch.compile's backend, imported at a first compile)
+    from torch._inductor.codecache import CacheBase, torch_key
+
+    torch_key()
+    CacheBase.get_system()
+
+
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("eager")
@@ -54,6 +65,7 @@ def eager(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_compiled_training_equals_eager_within_rounding(eager, tmp_path, mode):
     overrides = (*STEPS, "trainer.compile=true", f"parallel={mode}", *TWO_RANKS_K2)
+    compiler_loaded()
     graphs = run_distributed(compiled_rank, 2, str(tmp_path), overrides, group=False)
     assert min(graphs) > 0, graphs  # compiled, not silently eager
     got, expected = weights(tmp_path), weights(eager)

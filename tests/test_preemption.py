@@ -1,7 +1,8 @@
 """Preemption costs no step (trainkit/stop.py): SIGTERM / SIGUSR1 / submitit's SIGUSR2 and trainer.max_time stop
 every rank after the same step, after its checkpoint, with one line and a documented status; the same
 command resumes, and the two parts together equal the uninterrupted run bit for bit (every metrics row,
-without its timings, and model.pt), no step repeated. Under torchrun, self-launched and under submitit."""
+without its timings, and model.pt), no step repeated. Under torchrun, self-launched and under submitit
+(tests/test_launchers.py: a preempted job of a submitit sweep is requeued and resumes)."""
 
 import os
 import re
@@ -15,7 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, _env, compose_cfg, exit_status, rows, run_distributed, run_in_process, run_train, weights
+from helpers import (
+    ROOT,
+    _env,
+    cli_in_process,
+    compose_cfg,
+    exit_status,
+    rows,
+    run_distributed,
+    run_in_process,
+    weights,
+)
 from trainkit import config, stop
 from trainkit.config import ConfigError
 from trainkit.dist import Dist
@@ -151,18 +162,20 @@ def test_a_signal_during_start_up_and_ctrl_c_mid_run_end_one_process_in_one_line
     assert_checkpoint_of(signalled, 17)
 
 
-def signalling_mlp(rank: int, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
+def signalling_mlp(rank: int | None, at_forward: int, signum: int, marker: str, **mlp_args) -> torch.nn.Module:
     """model._target_=test_preemption.signalling_mlp: the mlp (the same weights, the same state_dict keys);
-    rank `rank` sends itself `signum` before its `at_forward`-th training forward, once (`marker`)."""
+    rank `rank` (null: every rank, as a scheduler signals every task) sends itself `signum` before its
+    `at_forward`-th training forward, once (`marker`; null: `<marker>.<rank>` a rank)."""
     from trainkit.models.mlp import mlp
 
-    model, calls = mlp(**mlp_args), [0]
+    model, calls, here = mlp(**mlp_args), [0], int(os.environ.get("RANK", 0))
+    once = Path(marker if rank is not None else f"{marker}.{here}")
 
     def hook(module, args):
-        if module.training and int(os.environ.get("RANK", 0)) == rank:
+        if module.training and rank in (None, here):
             calls[0] += 1
-            if calls[0] == at_forward and not Path(marker).exists():
-                Path(marker).touch()
+            if calls[0] == at_forward and not once.exists():
+                once.touch()
                 os.kill(os.getpid(), signum)
 
     model.register_forward_pre_hook(hook)
@@ -212,14 +225,17 @@ def test_sigterm_to_torchrun_checkpoints_every_worker_at_one_step_and_the_same_c
 
 @pytest.mark.slow
 def test_max_time_then_sigusr1_stop_a_self_launched_run_never_restarted_and_the_same_command_resumes(
-    uninterrupted, tmp_path
+    uninterrupted, tmp_path, capfd
 ):
     # trainer.max_time: the budget is spent before the first step ends (it counts from the process's start): both
     # workers stop after the step of their first check, status 0. Resumed with a budget that lasts, SIGUSR1 to the
     # parent, which torch's agent forwards to its workers (trainkit adds it to the signals it handles): status
     # 138. One line each time; parallel.max_restarts=1 must restart neither stop. The third part ends the run.
+    # The first and third parts run train.py's parent in this process (helpers.cli_in_process); the second is
+    # the real command, whose parent gets the signal.
     run_dir, workers = tmp_path / "run", ("parallel.nproc_per_node=2", "parallel.max_restarts=1")
-    proc = run_train(run_dir, *RUN, *workers, "trainer.max_time=1s")
+    proc = cli_in_process(capfd, run_dir, *RUN, *workers, "trainer.max_time=1s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     [line] = proc.stderr.splitlines()  # no "restarting the workers"
     budget_spent = stopped_at(line, "trainer.max_time=1s")
     assert_checkpoint_of(run_dir, budget_spent)
@@ -234,40 +250,5 @@ def test_max_time_then_sigusr1_stop_a_self_launched_run_never_restarted_and_the_
     step = stopped_at(line, "SIGUSR1")
     assert step > budget_spent
     assert_checkpoint_of(run_dir, step)
-    run_train(run_dir, *RUN, *workers, "trainer.max_time=1h")  # the same command
+    assert cli_in_process(capfd, run_dir, *RUN, *workers, "trainer.max_time=1h").returncode == 0  # the same command
     assert_resumed_exactly(run_dir, uninterrupted, step)
-
-
-@pytest.mark.slow
-def test_submitits_preemption_signal_checkpoints_then_submitit_requeues_the_job_which_resumes(uninterrupted, tmp_path):
-    # SIGUSR2 to both tasks, as SLURM's --signal (signal_delay_s before the time limit) and submitit's local
-    # controller send it. trainkit checkpoints the step, then calls submitit's handler: rank 0 requeues the
-    # job (locally: exit 144, the controller starts the tasks again), which resumes in its job dir.
-    sweep = tmp_path / "sweep"
-    launcher = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=10"]
-    proc = start("-m", f"hydra.sweep.dir={sweep}", *launcher, "parallel.timeout_s=60", *RUN)
-    wait_for_rows(proc, sweep / "0" / "metrics.jsonl")
-    tasks = [p for p in Path("/proc").iterdir() if p.name.isdigit() and task_of(p, sweep)]
-    assert len(tasks) == 2
-    for task in tasks:
-        os.kill(int(task.name), signal.SIGUSR2)
-    out, err = finish(proc, timeout=600)
-    assert proc.returncode == 0, err
-    logs = "".join(p.read_text() for p in sorted(sweep.glob(".submitit/*/*_0_log.*")))
-    step = stopped_at(logs, "SIGUSR2")
-    assert "Requeued job" in logs and f"resumed from {sweep / '0' / 'checkpoints' / f'step_{step:08d}.pt'}" in logs
-    assert sorted(p.name for p in (sweep / "0" / "checkpoints").iterdir()) == [
-        "best.pt",
-        f"step_{step:08d}.pt",
-        "step_00001000.pt",
-    ]
-    assert_resumed_exactly(sweep / "0", uninterrupted, step)
-
-
-def task_of(process: Path, sweep: Path) -> bool:
-    """A submitit task of the sweep (`python -m submitit.core._submit <sweep>/.submitit/<job id>`)."""
-    try:
-        cmdline = (process / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"submitit.core._submit" in cmdline and any(arg.startswith(str(sweep).encode()) for arg in cmdline)

@@ -161,7 +161,8 @@ def cli_in_process(capfd: Any, run_dir: Path, *overrides: str) -> subprocess.Com
     are imported already: the script run as __main__ with that sys.argv; its exit status, stdout and stderr (from
     pytest's capfd, which also holds what workers forked from here print). For what train.py's parent does with
     its workers (trainkit/launch.py: restarts, the root cause's line and status) without an interpreter that
-    imports torch (~5 s); a signal to the parent, processes left behind and sweeps run the real command."""
+    imports torch (~5 s). A signal to the parent runs the real command (run_train): its handlers here would end
+    this process on a bug (stop.at_once), as would the stop line of a signal during start-up."""
     import runpy
 
     flags = [o for o in overrides if o.startswith("-")]

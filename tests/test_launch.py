@@ -84,8 +84,9 @@ def ended(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    time.sleep(0.5)  # the kernel reaps an orphan's exit a moment later
-    left = session(proc.pid)
+    deadline = time.monotonic() + 0.5  # the kernel reaps an orphan's exit a moment later
+    while (left := session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers left behind: {left}\n{out}\n{err}"

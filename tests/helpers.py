@@ -156,6 +156,62 @@ def run_in_process(
     return "".join(run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False))
 
 
+def cli_in_process(capfd: Any, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python src/train.py [flags] hydra.run.dir=<run_dir> overrides` in this process, where torch and trainkit
+    are imported already: the script run as __main__ with that sys.argv; its exit status, stdout and stderr (from
+    pytest's capfd, which also holds what workers forked from here print). For what train.py's parent does with
+    its workers (trainkit/launch.py: restarts, the root cause's line and status) without an interpreter that
+    imports torch (~5 s). A signal to the parent runs the real command (run_train): its handlers here would end
+    this process on a bug (stop.at_once), as would the stop line of a signal during start-up."""
+    import runpy
+
+    flags = [o for o in overrides if o.startswith("-")]
+    argv = [str(ROOT / "src/train.py"), *flags, f"hydra.run.dir={run_dir}", *(o for o in overrides if o not in flags)]
+    capfd.readouterr()  # what the test printed before
+    code: int | str | None = 0
+    with _process_state_kept():
+        sys.argv = argv
+        os.environ.update(HYDRA_FULL_ERROR="0")  # what _env() sets for a command: run_cli's one-line errors
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exited:
+            code = exited.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, 0 if code is None else code, out, err)
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Puts back what a run of train.py's __main__ changes in this process: sys.argv, the environment (run_cli's
+    HYDRA_FULL_ERROR), the signal handlers (run_cli's, the agent's), the root logger (Hydra's logging set-up),
+    HydraConfig, and trainkit.stop's state (a stop under way, the handlers it found), which a later fork inherits."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainkit import stop
+
+    handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    argv, environ, handlers = sys.argv, dict(os.environ), {sig: signal.getsignal(sig) for sig in handled}
+    root = logging.getLogger()
+    level, log_handlers, hydra_cfg = root.level, list(root.handlers), HydraConfig.instance().cfg
+    exiting, found = list(stop._EXITING), dict(stop._FOUND)
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.setLevel(level)
+        root.handlers[:] = log_handlers
+        HydraConfig.instance().cfg = hydra_cfg
+        stop._EXITING[:] = exiting
+        stop._FOUND.clear()
+        stop._FOUND.update(found)
+
+
 # Equivalence runs (two runs that must train alike: W ranks against one process, a resume on another
 # world size, compiled against eager) step with SGD: its update is lr x gradient, so the gradients'
 # reduction-order rounding (~1e-7 relative) stays that small in the weights, on any CPU. AdamW's

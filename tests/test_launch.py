@@ -18,7 +18,18 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, _env, compose_cfg, faulty, final_test_row, max_diff, rows, run_in_process, run_train, weights
+from helpers import (
+    ROOT,
+    _env,
+    cli_in_process,
+    compose_cfg,
+    faulty,
+    final_test_row,
+    max_diff,
+    rows,
+    run_in_process,
+    weights,
+)
 from trainkit import config
 from trainkit.config import ConfigError
 
@@ -38,9 +49,22 @@ def session(pid: int) -> list[int]:
     return members
 
 
+STARTED: list[subprocess.Popen] = []  # start_train's commands: a test that fails before ended() leaves none behind
+
+
+@pytest.fixture(autouse=True)
+def _end_what_was_started():
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def start_train(run_dir: Path, *overrides: str, **env: str) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "src/train.py"), f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=_env() | env,
@@ -49,6 +73,8 @@ def start_train(run_dir: Path, *overrides: str, **env: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+    STARTED.append(proc)
+    return proc
 
 
 def ended(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
@@ -58,8 +84,9 @@ def ended(proc: subprocess.Popen, timeout: float = 300) -> tuple[str, str]:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    time.sleep(0.5)  # the kernel reaps an orphan's exit a moment later
-    left = session(proc.pid)
+    deadline = time.monotonic() + 0.5  # the kernel reaps an orphan's exit a moment later
+    while (left := session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers left behind: {left}\n{out}\n{err}"
@@ -73,27 +100,15 @@ def torchrun_run(crash_run_two_ranks) -> Path:
     return crash_run_two_ranks
 
 
-def never(directory: Path) -> Path:
-    """A kill marker that exists: helpers.Faulty never kills."""
-    (directory / "never").touch()
-    return directory / "never"
-
-
 @pytest.mark.slow
-def test_a_self_launched_run_equals_the_torchrun_run(torchrun_run, tmp_path):
-    proc = run_train(tmp_path / "run", *RUN, *faulty("kill", 31, 1, never(tmp_path)), "parallel.nproc_per_node=2")
-    assert proc.stdout.count("trainkit | ddp x2 on cpu") == 1  # parallel=auto picked ddp; rank 0 alone prints
-    assert rows(tmp_path / "run", timings=False) == rows(torchrun_run, timings=False)
-    assert max_diff(weights(tmp_path / "run"), weights(torchrun_run)) <= 1e-7
-    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["run"]  # no second run dir
-    assert OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml").parallel.nproc_per_node == 2
-
-
-@pytest.mark.slow
-def test_a_worker_killed_once_restarts_the_group_which_resumes_to_the_uninterrupted_weights(torchrun_run, tmp_path):
-    marker = tmp_path / "killed"
+def test_a_self_launched_run_killed_once_restarts_the_group_and_ends_with_the_torchrun_runs_weights(
+    torchrun_run, tmp_path, capfd
+):
     # Rank 1 dies (SIGKILL) in step 11, after checkpoint 10. resume=null: a restart still continues the run.
-    proc = run_train(
+    # train.py's parent in this process (helpers.cli_in_process), its workers forked from here.
+    marker = tmp_path / "killed"
+    proc = cli_in_process(
+        capfd,
         tmp_path / "run",
         *RUN,
         *faulty("kill", 31, 1, marker),
@@ -101,24 +116,30 @@ def test_a_worker_killed_once_restarts_the_group_which_resumes_to_the_uninterrup
         "parallel.max_restarts=1",
         "checkpoint.resume=null",
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker.exists() and "at step 10" in proc.stdout
+    assert proc.stderr.splitlines() == ["restarting the workers (restart 1 of 1) after: rank 1: died of SIGKILL"]
+    assert proc.stdout.count("trainkit | ddp x2 on cpu") == 2  # parallel=auto picked ddp; rank 0 alone, each round
+    # The self-launched run is the torchrun run, bit for bit, across the restart (rows every 3 steps; 12 is one).
     assert max_diff(weights(tmp_path / "run"), weights(torchrun_run)) == 0
     assert rows(tmp_path / "run", timings=False) == rows(torchrun_run, timings=False)
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["run"]  # no worker made a run dir of its own
+    assert OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml").parallel.nproc_per_node == 2
 
 
 @pytest.mark.slow
-def test_a_worker_that_dies_while_the_other_is_starting_restarts_the_group_not_a_stop(tmp_path):
+def test_a_worker_that_dies_while_the_other_is_starting_restarts_the_group_not_a_stop(tmp_path, capfd):
     # Rank 1 dies (SIGKILL) as its model is built; rank 0 is still in its start-up (stop.at_once's handlers)
     # when the agent ends it with SIGTERM: a consequence of the death, not the user's stop (issue 45).
     marker = tmp_path / "killed"
-    proc = run_train(
+    proc = cli_in_process(
+        capfd,
         tmp_path / "run",
         *TINY,
         "trainer.max_steps=2",
         *faulty("kill_starting", 0, 1, marker, "mlp"),
         "parallel.nproc_per_node=2",
         "parallel.max_restarts=1",
-        check=False,
     )
     assert proc.returncode == 0 and marker.exists(), proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == ["restarting the workers (restart 1 of 1) after: rank 1: died of SIGKILL"]
@@ -127,50 +148,55 @@ def test_a_worker_that_dies_while_the_other_is_starting_restarts_the_group_not_a
 
 @pytest.mark.slow
 def test_a_sweep_runs_its_jobs_one_after_another_each_on_workers_of_its_own(tmp_path):
-    # Job 0: rank 1's loss turns NaN, a failure of the workers, recorded in the job's dir; job 1 runs.
-    proc = run_train(
-        tmp_path / "unused",
-        "-m",
-        f"hydra.sweep.dir={tmp_path}",
-        "parallel.nproc_per_node=2",
-        *TINY,
-        "trainer.max_steps=3",
-        *faulty("nan,none", 2, 1, "/none", name="mlp"),
-        check=False,
-    )
+    # Jobs 0 and 1 train in this process (nproc_per_node=null: rank 1's fault never comes), its OpenMP pool at 2
+    # threads; jobs 2 and 3 fork their workers from it (forced: OMP_NUM_THREADS > 1 would spawn them), whose
+    # first matmul would hang at 2 threads. Job 2: rank 1's loss turns NaN, a failure of the workers, recorded
+    # in the job's dir; job 3 runs on workers of its own.
+    env = {**_env(), "OMP_NUM_THREADS": "2", "TRAINKIT_START_METHOD": "fork"}
+    cmd = [sys.executable, str(ROOT / "src/train.py"), "-m", f"hydra.sweep.dir={tmp_path}", *TINY]
+    cmd += ["parallel.nproc_per_node=null,2", "trainer.max_steps=3", *faulty("nan,none", 2, 1, "/none", name="mlp")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and errors[0].startswith("error: job 0 (parallel.nproc_per_node=2 "), proc.stderr
+    assert len(errors) == 1 and errors[0].startswith("error: job 2 ("), proc.stderr
+    assert "parallel.nproc_per_node=2 " in errors[0] and "+model.fault='nan' " in errors[0], errors
     assert errors[0].endswith(
         "): non-finite loss or gradient at step 2 (trainer.on_nonfinite=raise; skip drops such windows)"
     )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "multirun.yaml"]
-    assert (tmp_path / "0" / "error.txt").is_file() and not (tmp_path / "0" / "model.pt").exists()
-    assert [r["step"] for r in rows(tmp_path / "1") if "loss" in r] == [1, 2, 3]
-    assert (tmp_path / "1" / "model.pt").is_file()
-    assert proc.stdout.count("trainkit | ddp x2") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3", "multirun.yaml"]
+    assert (tmp_path / "2" / "error.txt").is_file() and not (tmp_path / "2" / "model.pt").exists()
+    for job in ("0", "1", "3"):
+        assert [r["step"] for r in rows(tmp_path / job) if "loss" in r] == [1, 2, 3]
+        assert (tmp_path / job / "model.pt").is_file()
+    assert proc.stdout.count("trainkit | single x1") == 2 and proc.stdout.count("trainkit | ddp x2") == 2
 
 
 @pytest.mark.slow
-def test_a_job_trained_here_with_two_threads_then_forked_workers_do_not_hang(tmp_path):
-    # Job 0 trains in this process, its OpenMP pool at 2 threads; job 1 forks its workers from it (forced:
-    # OMP_NUM_THREADS > 1 would spawn them). A forked worker at 2 threads would hang in its first matmul.
-    env = {**_env(), "OMP_NUM_THREADS": "2", "TRAINKIT_START_METHOD": "fork"}
-    cmd = [sys.executable, str(ROOT / "src/train.py"), "-m", f"hydra.sweep.dir={tmp_path}", *TINY]
-    cmd += ["parallel.nproc_per_node=null,2", "trainer.max_steps=2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "single x1" in proc.stdout and "ddp x2" in proc.stdout
-    assert (tmp_path / "0" / "model.pt").is_file() and (tmp_path / "1" / "model.pt").is_file()
-
-
-@pytest.mark.slow
-def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_and_leaves_no_process(tmp_path):
-    # Two self-launched jobs at once on this machine: each rendezvous has a free port of its own. Started
-    # together (their start-ups overlap, and so may their rendezvous); `long` outlives `raises`.
-    long = start_train(tmp_path / "long", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")
+def test_self_launched_jobs_at_once_a_raising_worker_or_sigterm_end_one_in_one_line_and_the_others_go_on(tmp_path):
+    # Each launch has its rendezvous store on a free port of its own. `long` and `raises` start together (their
+    # start-ups overlap, and so may their rendezvous); `second` starts once `long` trains: on `long`'s port it
+    # would join `long`'s store, and lose it when `long` ends. Every parent is checked for processes left behind.
+    hold = tmp_path / "hold"  # rank 0 of `long` waits for it in step 2: the job lives on, at no cost in CPU
+    long = start_train(
+        tmp_path / "long",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=1000000",
+        *faulty("wait", 2, 0, hold, "mlp"),
+    )
     raises = start_train(
         tmp_path / "raises", "parallel.nproc_per_node=2", *TINY, *faulty("raise", 3, 1, "/none", "mlp")
+    )
+    assert long.stdout is not None
+    while not long.stdout.readline().startswith("step"):  # its workers train
+        assert long.poll() is None
+    go_on = tmp_path / "go_on"  # rank 0 of the second job waits for it in step 2
+    second = start_train(
+        tmp_path / "second",
+        "parallel.nproc_per_node=2",
+        *TINY,
+        "trainer.max_steps=3",
+        *faulty("wait", 2, 0, go_on, "mlp"),
     )
     out, err = ended(raises)
     assert raises.returncode == 1, err
@@ -180,14 +206,20 @@ def test_a_worker_that_raises_or_sigterm_of_the_parent_ends_the_job_in_one_line_
     assert "Traceback" in error_file.read_text()  # torch's error file (record) keeps the worker's traceback
     shutil.rmtree(next(p for p in error_file.parents if p.name.startswith("trainkit-launch-")))  # kept for it
 
-    assert long.stdout is not None
-    while not long.stdout.readline().startswith("step"):  # its workers train
-        assert long.poll() is None
+    assert second.stdout is not None
+    while not second.stdout.readline().startswith("step"):  # step 1 is done
+        assert second.poll() is None
     assert long.poll() is None
-    long.send_signal(signal.SIGTERM)  # the agent ends the workers with it: they checkpoint first (trainkit/stop.py)
+    long.send_signal(signal.SIGTERM)  # forwarded to the workers, which checkpoint first (trainkit/stop.py)
+    hold.touch()  # its step 2 goes on: the stop comes at the ranks' next check
     out, err = ended(long, timeout=60)
     assert long.returncode == 128 + signal.SIGTERM
     assert re.fullmatch(r"stopped by SIGTERM at step \d+; checkpoint written; the same command resumes\n", err), err
+    time.sleep(2)  # the second job's agent asks its store every 0.1 s: a lost store would fail it meanwhile
+    go_on.touch()
+    out, err = ended(second)
+    assert second.returncode == 0, out + err
+    assert (tmp_path / "second" / "model.pt").is_file()
 
 
 def slow_test_pass_mlp(model_pt: str, started: str, **mlp_args) -> torch.nn.Module:
@@ -226,8 +258,10 @@ def test_sigterm_during_the_final_test_pass_lets_the_workers_finish_and_the_run_
 
 
 @pytest.mark.slow
-def test_help_shows_the_launch_forms_and_the_groups_a_run_picks_from(tmp_path):
-    out = run_train(tmp_path, "--help").stdout
+def test_help_shows_the_launch_forms_and_the_groups_a_run_picks_from(tmp_path, capfd):
+    proc = cli_in_process(capfd, tmp_path, "--help")  # the interpreter's start (torch's import) is most of its 5 s
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    out = proc.stdout
     assert "python src/train.py -m parallel.nproc_per_node=2 accumulation.steps=1,2,4" in out
     assert "python src/train.py --cfg job --resolve" in out
     models = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))  # a fork's own too
@@ -249,16 +283,16 @@ def test_nproc_per_node_that_contradicts_torchrun_is_refused(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_refused_resume_or_a_non_finite_loss_ends_the_job_in_its_one_line_without_a_restart(tmp_path):
+def test_a_refused_resume_or_a_non_finite_loss_ends_the_job_in_its_one_line_without_a_restart(tmp_path, capfd):
     # A known refusal (exit 2) or run failure (exit 3) would fail the same way again: never restarted.
-    refused = run_train(
+    refused = cli_in_process(
+        capfd,
         tmp_path / "refused",
         "parallel.nproc_per_node=2",
         "parallel.max_restarts=1",
         *TINY,
         "trainer.max_steps=4",
         "checkpoint.resume=no/such/dir/step_00000005.pt",
-        check=False,
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr.splitlines() == [
@@ -266,14 +300,14 @@ def test_a_refused_resume_or_a_non_finite_loss_ends_the_job_in_its_one_line_with
     ]
     assert "trainkit |" not in refused.stdout and not (tmp_path / "refused").exists()  # nothing trained
 
-    nan = run_train(
+    nan = cli_in_process(
+        capfd,
         tmp_path / "nan",
         "parallel.nproc_per_node=2",
         "parallel.max_restarts=1",
         *TINY,
         "trainer.max_steps=3",
         *faulty("nan", 2, 1, "/none", "mlp"),
-        check=False,
     )
     assert nan.returncode == 3, nan.stdout + nan.stderr
     assert nan.stderr.splitlines() == [
@@ -283,22 +317,24 @@ def test_a_refused_resume_or_a_non_finite_loss_ends_the_job_in_its_one_line_with
 
 
 @pytest.mark.slow
-def test_a_worker_that_exits_with_a_status_of_its_own_is_named(tmp_path):
+def test_a_worker_that_exits_with_a_status_of_its_own_is_named(tmp_path, capfd):
     # Rank 1 calls os._exit(17) in step 2; rank 0's collective fails because of it (a consequence).
-    proc = run_train(
+    proc = cli_in_process(
+        capfd,
         tmp_path / "run",
         "parallel.nproc_per_node=2",
         *TINY,
         "trainer.max_steps=3",
         *faulty("exit", 2, 1, tmp_path / "exited", "mlp"),
-        check=False,
     )
     assert proc.returncode == 17, proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == ["error: rank 1: exited with status 17"]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_restarted_before_its_first_checkpoint_continues_from_the_checkpoint_it_started_from(tmp_path):
+def test_a_resumed_run_restarted_before_its_first_checkpoint_continues_from_the_checkpoint_it_started_from(
+    tmp_path, capfd
+):
     marker = tmp_path / "killed"
     marker.touch()  # no kill in the runs that make the checkpoint and the reference
     run = [*TINY, "trainer.max_steps=6", "checkpoint.every=3", *faulty("kill", 2, 1, marker, "mlp")]
@@ -308,37 +344,11 @@ def test_a_resumed_run_restarted_before_its_first_checkpoint_continues_from_the_
     marker.unlink()
     # Rank 1 dies (SIGKILL) in step 5 of the resumed run, before its dir's first checkpoint (step 6): the
     # restarted round resumes step 3 of the source again, not a fresh run (a new lr: a fresh run differs).
-    proc = run_train(tmp_path / "run", *run, *resume, "parallel.nproc_per_node=2", "parallel.max_restarts=1")
+    proc = cli_in_process(
+        capfd, tmp_path / "run", *run, *resume, "parallel.nproc_per_node=2", "parallel.max_restarts=1"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker.exists() and proc.stdout.count("at step 3") == 2, proc.stdout
     assert proc.stderr.splitlines() == ["restarting the workers (restart 1 of 1) after: rank 1: died of SIGKILL"]
     assert rows(tmp_path / "run", timings=False) == rows(tmp_path / "uninterrupted", timings=False)
     assert max_diff(weights(tmp_path / "run"), weights(tmp_path / "uninterrupted")) == 0
-
-
-@pytest.mark.slow
-def test_a_self_launched_job_outlives_another_one_started_before_it(tmp_path):
-    # Each launch has its rendezvous store on a free port of its own. A second job on the first one's port
-    # would join the first one's store (and lose it when the first job ends).
-    first = start_train(tmp_path / "first", "parallel.nproc_per_node=2", *TINY, "trainer.max_steps=1000000")
-    assert first.stdout is not None
-    while not first.stdout.readline().startswith("step"):  # its workers train
-        assert first.poll() is None
-    go_on = tmp_path / "go_on"  # rank 0 of the second job waits for it in step 2
-    second = start_train(
-        tmp_path / "second",
-        "parallel.nproc_per_node=2",
-        *TINY,
-        "trainer.max_steps=3",
-        *faulty("wait", 2, 0, go_on, "mlp"),
-    )
-    assert second.stdout is not None
-    while not second.stdout.readline().startswith("step"):  # step 1 is done
-        assert second.poll() is None
-    first.send_signal(signal.SIGTERM)
-    ended(first, timeout=60)
-    assert first.returncode == 128 + signal.SIGTERM
-    time.sleep(2)  # the second job's agent asks its store every 0.1 s: a lost store would fail it meanwhile
-    go_on.touch()
-    out, err = ended(second)
-    assert second.returncode == 0, out + err
-    assert (tmp_path / "second" / "model.pt").is_file()

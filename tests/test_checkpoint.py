@@ -4,15 +4,15 @@ non-finite losses handled on all ranks together, and a hung peer ending the job.
 import json
 import math
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from torch.multiprocessing import ProcessExitedException
 
 from helpers import CRASH_RUN as RUN
-from helpers import ROOT, assert_equal, faulty, run_in_process, run_train, together
+from helpers import ROOT, _entry_point, assert_equal, exit_status, faulty, run_distributed, run_in_process, run_train
 from helpers import rows as metrics_rows
 from train import train
 from trainkit.checkpoint import Checkpointer, load_model, parse_step, save_whole, snapshot, step_name
@@ -38,17 +38,22 @@ def assert_same_run(a: Path, b: Path):
     assert rows(a) == rows(b)  # the same losses: the same batches were drawn after the resume
 
 
+def _train_in_a_fork(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> str:
+    return _entry_point("train", run_dir, overrides)  # what python src/train.py runs after composing
+
+
 @pytest.mark.slow
 def test_single_process_killed_after_step_10_resumes_bitwise(tmp_path):
     marker = tmp_path / "killed"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     marker.with_name("never").touch()
     # The uninterrupted run and the resume in this process (what train.py runs after Hydra composed the
-    # config); the crash in a process of its own, which SIGKILL ends.
+    # config); the crash in a forked process of its own, which SIGKILL ends.
     run_in_process(straight, *RUN, *faulty("kill", 31, 0, marker.with_name("never")))
     # The 31st micro-step is step 11's first: the process dies (SIGKILL) after checkpoint 10.
-    proc = run_train(crashed, *RUN, *faulty("kill", 31, 0, marker), check=False)
-    assert proc.returncode == -9 and marker.exists()
+    with pytest.raises(ProcessExitedException) as died:
+        run_distributed(_train_in_a_fork, 1, str(crashed), (*RUN, *faulty("kill", 31, 0, marker)), group=False)
+    assert died.value.signal_name == "SIGKILL" and marker.exists()
     assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == ["step_00000010.pt"]
     out = run_in_process(crashed, *RUN, *faulty("kill", 31, 0, marker))  # resume=auto, nothing of the first
     assert "resumed from" in out and "at step 10" in out  # process left but its run dir
@@ -169,32 +174,31 @@ TINY_CNN = ["model=cnn", "model.width=8", "trainer.max_steps=8"]
 NAN = [*TINY_CNN, "trainer.log_every=1", "checkpoint.every=2"]
 
 
+NON_FINITE = "non-finite loss or gradient at step {} (trainer.on_nonfinite=raise; skip drops such windows)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "log_every,checkpoint_every,left",
     [(1, 2, ["step_00000002.pt", "step_00000004.pt"]), (8, 1, ["step_00000003.pt", "step_00000004.pt"])],
 )
 def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds_it(
-    tmp_path, log_every, checkpoint_every, left
+    tmp_path, capfd, log_every, checkpoint_every, left
 ):
     # on_nonfinite=raise checks no step on its own (no host sync per step): before each log row
-    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step). Two ranks
-    # that train.py starts itself (forked: one interpreter, not torchrun's three).
-    proc = run_train(
-        tmp_path,
+    # and each checkpoint. Both catch step 5 (a row every step; a checkpoint every step). Two forked
+    # ranks in torchrun's environment: each exits 3, rank 0 says why (a rank that went on alone would
+    # wait for the other in its next collective: 60 s, then exit 1).
+    overrides = (
         *TINY_CNN,
+        "parallel.timeout_s=60",
         f"trainer.log_every={log_every}",
         f"checkpoint.every={checkpoint_every}",
         *faulty("nan", 5, 1, tmp_path / "m"),
-        "parallel.nproc_per_node=2",
-        check=False,
-        timeout=180,
     )
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        "error: non-finite loss or gradient at step 5 (trainer.on_nonfinite=raise; skip drops such windows)"
-    ]
+    assert run_distributed(exit_status, 2, str(tmp_path), overrides, group=False) == [3, 3]
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {NON_FINITE.format(5)}"]
     assert not (tmp_path / "model.pt").exists()
     last = torch.load(tmp_path / "checkpoints" / "step_00000004.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in last["model"].values())
@@ -204,25 +208,17 @@ def test_nan_on_one_rank_raise_stops_every_rank_before_a_row_or_checkpoint_holds
 
 
 @pytest.mark.slow
-def test_nan_raise_leaves_no_evaluation_row_of_a_non_finite_step(tmp_path):
+def test_nan_raise_leaves_no_evaluation_row_of_a_non_finite_step(tmp_path, capsys):
     # Evaluation rows come every step, training rows every 8: the check before evaluation catches
     # step 3 (NaN weights would log val/loss NaN for steps 3..7 before the step-8 row raised).
-    proc = run_train(
-        tmp_path,
-        *TINY_CNN,
-        "trainer.log_every=8",
-        "trainer.eval_every=1",
-        "checkpoint.every=0",
-        *faulty("nan", 3, 0, tmp_path / "m"),
-        check=False,
-    )
-    assert proc.returncode == 3, proc.stderr
-    assert proc.stderr.strip() == (
-        "error: non-finite loss or gradient at step 3 (trainer.on_nonfinite=raise; skip drops such windows)"
-    )
+    overrides = ("trainer.log_every=8", "trainer.eval_every=1", "checkpoint.every=0")
+    with pytest.raises(SystemExit) as failed:
+        run_in_process(tmp_path, *TINY_CNN, *overrides, *faulty("nan", 3, 0, tmp_path / "m"))
+    assert failed.value.code == 3
+    assert capsys.readouterr().err.strip() == f"error: {NON_FINITE.format(3)}"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["val/loss"]) for r in rows)
-    assert (tmp_path / "error.txt").read_text() == proc.stderr.removeprefix("error: ")  # for report.py
+    assert (tmp_path / "error.txt").read_text() == NON_FINITE.format(3) + "\n"  # for report.py
 
 
 @pytest.mark.slow
@@ -311,27 +307,23 @@ def test_fp16_overflow_is_gradscalers_skip_the_schedule_waits_and_the_row_leaves
 
 
 @pytest.mark.slow
-def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path):
-    run_in_process(tmp_path, "trainer.max_steps=5", "model.width=16")  # the finished run; then the CLI refuses
+def test_a_refused_run_leaves_the_run_dir_as_it_was(tmp_path, capsys):
+    run_in_process(tmp_path, "trainer.max_steps=5", "model.width=16")  # the finished run; then two refusals
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     mtimes = {p: p.stat().st_mtime_ns for p in before}
-    refusals = [
-        (
-            ["model.width=64"],
-            "checkpoint.resume: the checkpoint was written with model.width=16, this run has "
-            "model.width=64; exact resume needs the same (or choose another hydra.run.dir)",
-        ),
-        (
-            ["checkpoint.resume=null"],
-            f"hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
-            "resume it with checkpoint.resume=auto, or choose another hydra.run.dir",
-        ),
-    ]
-    procs = together(
-        *(partial(run_train, tmp_path, "trainer.max_steps=5", "model.width=16", *o, check=False) for o, _ in refusals)
+    # A resume that cannot be exact, refused by train.py's run (in this process: what it runs after composing) ...
+    with pytest.raises(SystemExit) as refused:
+        run_in_process(tmp_path, "trainer.max_steps=5", "model.width=64")
+    assert refused.value.code == 2 and capsys.readouterr().err.strip() == (
+        "error: checkpoint.resume: the checkpoint was written with model.width=16, this run has "
+        "model.width=64; exact resume needs the same (or choose another hydra.run.dir)"
     )
-    for proc, (_, message) in zip(procs, refusals, strict=True):
-        assert proc.returncode == 2 and proc.stderr.strip() == f"error: {message}", proc.stderr
+    # ... and a fresh start in a used dir from the command line: Hydra, which runs the job in it, writes nothing there.
+    proc = run_train(tmp_path, "trainer.max_steps=5", "model.width=16", "checkpoint.resume=null", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: hydra.run.dir={tmp_path} already holds a run (step_00000005.pt, model.pt): "
+        "resume it with checkpoint.resume=auto, or choose another hydra.run.dir"
+    ), proc.stderr
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before and {p: p.stat().st_mtime_ns for p in after} == mtimes
 

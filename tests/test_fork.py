@@ -130,11 +130,12 @@ def test_the_fork_trains_exactly_resumes_selects_by_its_metric_evaluates_predict
     together(  # independent runs side by side
         lambda: run("train", *exp, f"hydra.run.dir={one}"),
         lambda: run("train", *exp, f"hydra.run.dir={two}", *two_ranks),
-        lambda: run("train", *exp, f"hydra.run.dir={part}", "trainer.max_steps=8"),  # stops after step 8's checkpoint
     )
+    (part / "checkpoints").mkdir(parents=True)  # one's checkpoint of step 8 (checkpoint.keep=2: 8 and 12)
+    shutil.copy(one / "checkpoints" / "step_00000008.pt", part / "checkpoints")
     search = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.pruner=null")
     together(
-        lambda: run("train", *exp, f"hydra.run.dir={part}"),  # the same run dir: resumed to step 12
+        lambda: run("train", *exp, f"hydra.run.dir={part}"),  # resumed from step 8 to step 12
         lambda: run("eval", f"run_dir={one}", "weights=best", "split=val", f"hydra.run.dir={tmp_path / 'eval'}"),
         lambda: run("predict", f"run_dir={one}", f"hydra.run.dir={tmp_path / 'predict'}"),
         lambda: run("train", *exp, *search, f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=patients"),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.distributed.fsdp import FSDPModule
 
-from helpers import compose_cfg, max_diff, run_distributed, run_in_process, run_train, weights
+from helpers import compose_cfg, max_diff, run_distributed, run_in_process, weights
 from trainkit import config, optim
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -18,16 +18,17 @@ from trainkit.models.timm import timm_model
 from trainkit.parallel import fsdp_units, wrap
 
 # The smallest timm ResNet (4 BasicBlocks, BatchNorm) at 16x16 and a ViT-Tiny at 32x32 (patch 16: 4
-# tokens, 12 Blocks), 2 SGD steps of a global batch 16 on data=fake.
+# tokens, 12 Blocks; the trained one 2, each an FSDP unit), 2 SGD steps of a global batch 16 on data=fake.
 SMALL = ["model=timm", "data=fake", "data.splits.train_size=64", "data.splits.val_size=16", "logger=none"]
 RESNET = [*SMALL, "model.name=resnet10t", "data.shape=[3,16,16]"]
 VIT = [*SMALL, "model.name=vit_tiny_patch16_224", "data.shape=[3,32,32]"]
+VIT_2 = [*VIT, "+model.kwargs.depth=2"]  # timm's depth: a fifth of the 12 Blocks' time under FSDP
 STEPS = ["optim=sgd", "optim.lr=0.1", "trainer.max_steps=2", "trainer.eval_every=2", "checkpoint.every=0"]
 ONE, TWO = ["data.batch_size=16"], ["data.batch_size=8"]
 # SGD's update is lr x gradient: 2 ranks and one process differ by the gradient's reduction-order
 # rounding (the all-reduce's sum of two halves against one sum; SyncBN's merged statistics against one
-# batch's): measured 1.2e-7 (ResNet), 7.5e-9 (ViT); 1e-5 is 80x that, and BatchNorm on each rank's half
-# alone (sync_bn off) moves them by 9.0e-2 (asserted below: over 1e-3).
+# batch's): measured 1.2e-7 (ResNet), 3.7e-9 (the 2-Block ViT); 1e-5 is 80x that, and BatchNorm on each
+# rank's half alone (sync_bn off) moves them by 9.0e-2 (asserted below: over 1e-3).
 TOLERANCE = dict(rtol=0, atol=1e-5)
 
 
@@ -90,12 +91,17 @@ def test_a_model_that_cannot_take_the_data_is_one_line_before_the_run_dir(tmp_pa
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {said}"]
 
 
-def test_pretrained_weights_out_of_reach_are_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a download in the suite, network or not
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
-    proc = run_train(tmp_path / "run", *RESNET, "model.pretrained=true", "trainer.max_steps=1", check=False)
-    line = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and "model.pretrained=true: no weights for resnet10t" in line and "HF_HOME" in line
+def test_pretrained_weights_out_of_reach_are_one_line(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    # Never a download in the suite, network or not, and an empty cache: the hub's settings, which it reads from
+    # HF_HUB_OFFLINE and HF_HOME when imported (this process may have imported it already), set where it reads them.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    with pytest.raises(SystemExit) as refused:
+        run_in_process(tmp_path / "run", *RESNET, "model.pretrained=true", "trainer.max_steps=1")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert refused.value.code == 2 and "model.pretrained=true: no weights for resnet10t" in line and "HF_HOME" in line
 
 
 def test_units_are_the_residual_blocks():
@@ -141,13 +147,14 @@ def test_a_resnet_on_two_ranks_trains_as_one_process(resnet_runs):
 
 
 def test_a_vit_under_fsdp_trains_as_one_process(tmp_path):
-    run_in_process(tmp_path / "single", *VIT, *STEPS, *ONE)
-    run_in_process(tmp_path / "fsdp", *VIT, *STEPS, *TWO, "parallel=fsdp", nproc=2)
+    run_in_process(tmp_path / "single", *VIT_2, *STEPS, *ONE)
+    run_in_process(tmp_path / "fsdp", *VIT_2, *STEPS, *TWO, "parallel=fsdp", nproc=2)
     single, fsdp = weights(tmp_path / "single"), weights(tmp_path / "fsdp")
     print(f"max |FSDP - single| {max_diff(fsdp, single):.2e}")
     assert_close(fsdp, single)
     # Each Block checkpointed inside its FSDP unit (FSDP2's hooks around the segment): the same run, bit for bit.
-    run_in_process(tmp_path / "ac", *VIT, *STEPS, *TWO, "parallel=fsdp", "model.activation_checkpointing=true", nproc=2)
+    checkpointing = "model.activation_checkpointing=true"
+    run_in_process(tmp_path / "ac", *VIT_2, *STEPS, *TWO, "parallel=fsdp", checkpointing, nproc=2)
     checkpointed = weights(tmp_path / "ac")
     assert all(torch.equal(checkpointed[key], fsdp[key]) for key in fsdp)
 

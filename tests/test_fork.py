@@ -85,6 +85,12 @@ checkpoint:
 }
 
 
+RUN_EACH = """import json, runpy, sys
+for sys.argv in json.loads(sys.argv[1]):
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.fixture(scope="module")
 def fork(tmp_path_factory):
     """This working tree copied as a fresh repository, the fork's files added; (its root, a runner)."""
@@ -99,9 +105,12 @@ def fork(tmp_path_factory):
         (root / name).write_text(text.lstrip("\n"))
     env = _env() | {"PYTHONPATH": os.pathsep.join([str(root / "tests"), str(root / "src")])}
 
-    def run(script: str, *overrides: str) -> subprocess.CompletedProcess:
+    def run(*commands: tuple[str, ...]) -> subprocess.CompletedProcess:
+        """`python src/<script>.py <overrides>` for each (script, *overrides), in order, in one interpreter of the
+        fork: each script run as its __main__ with its command line, as python runs it (torch imported once)."""
+        argvs = [[f"src/{script}.py", *overrides] for script, *overrides in commands]
         proc = subprocess.run(
-            [sys.executable, f"src/{script}.py", *overrides], cwd=root, env=env, capture_output=True, text=True
+            [sys.executable, "-c", RUN_EACH, json.dumps(argvs)], cwd=root, env=env, capture_output=True, text=True
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc
@@ -127,18 +136,17 @@ def test_the_fork_trains_exactly_resumes_selects_by_its_metric_evaluates_predict
     exp = ("+experiment=patients",)
     one, two, part, sweep = tmp_path / "one", tmp_path / "two", tmp_path / "part", tmp_path / "sweep"
     two_ranks = ("parallel.nproc_per_node=2", "accumulation.steps=2", "data.batch_size=4")  # 2 x 2 x 4 = 16
-    together(  # independent runs side by side
-        lambda: run("train", *exp, f"hydra.run.dir={one}"),
-        lambda: run("train", *exp, f"hydra.run.dir={two}", *two_ranks),
-    )
-    (part / "checkpoints").mkdir(parents=True)  # one's checkpoint of step 8 (checkpoint.keep=2: 8 and 12)
-    shutil.copy(one / "checkpoints" / "step_00000008.pt", part / "checkpoints")
     search = ("hparams_search=digits_optuna", "hydra.sweeper.n_trials=1", "hydra.sweeper.pruner=null")
+    run(  # train.py's runs one after another in one interpreter; then eval.py and predict.py, each in its own
+        ("train", *exp, f"hydra.run.dir={one}"),
+        ("train", *exp, f"hydra.run.dir={two}", *two_ranks),
+        ("train", *exp, f"hydra.run.dir={part}", "trainer.max_steps=8"),  # stops after step 8's checkpoint
+        ("train", *exp, f"hydra.run.dir={part}"),  # the same run dir: resumed to step 12
+        ("train", *exp, *search, f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=patients"),
+    )
     together(
-        lambda: run("train", *exp, f"hydra.run.dir={part}"),  # resumed from step 8 to step 12
-        lambda: run("eval", f"run_dir={one}", "weights=best", "split=val", f"hydra.run.dir={tmp_path / 'eval'}"),
-        lambda: run("predict", f"run_dir={one}", f"hydra.run.dir={tmp_path / 'predict'}"),
-        lambda: run("train", *exp, *search, f"hydra.sweep.dir={sweep}", "hydra.sweeper.study_name=patients"),
+        lambda: run(("eval", f"run_dir={one}", "weights=best", "split=val", f"hydra.run.dir={tmp_path / 'eval'}")),
+        lambda: run(("predict", f"run_dir={one}", f"hydra.run.dir={tmp_path / 'predict'}")),
     )
     weights = torch.load(one / "model.pt", weights_only=True)
     # one process's batch of 16: the same SGD steps (rounding of the reduction order alone)

@@ -4,7 +4,7 @@ experiment's and lose to the command line's; a limited run does not resume a ful
 
 import pytest
 
-from helpers import compose_cfg, faulty, max_diff, rows, run_in_process, run_train, weights
+from helpers import cli_in_process, compose_cfg, faulty, max_diff, rows, run_in_process, weights
 from trainkit import debug
 
 SGD = ["optim=sgd", "trainer.clip_grad_norm=1.0"]
@@ -111,12 +111,13 @@ def test_anomaly_names_the_backward_function_that_returned_nan(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_anomaly_on_one_ddp_rank_ends_both(tmp_path):
+def test_anomaly_on_one_ddp_rank_ends_both(tmp_path, capfd):
     """Rank 1 raises in backward while rank 0 is in the gradient all-reduce: rank 1 names the function,
-    rank 0 sees its collective fail (not a hang), the launching process exits 3 with rank 1's line."""
+    rank 0 sees its collective fail (not a hang), the launching process exits 3 with rank 1's line.
+    (train.py's parent in this process, helpers.cli_in_process: its workers fork from here.)"""
     nan_on_1 = faulty("nan", 2, 1, "/nonexistent", name="mlp")
-    proc = run_train(
-        tmp_path, "debug=anomaly", *nan_on_1, "trainer.max_steps=4", "parallel.nproc_per_node=2", check=False
+    proc = cli_in_process(
+        capfd, tmp_path, "debug=anomaly", *nan_on_1, "trainer.max_steps=4", "parallel.nproc_per_node=2"
     )
     assert proc.returncode == 3, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

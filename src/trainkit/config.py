@@ -29,7 +29,7 @@ from omegaconf.errors import (
     UnsupportedInterpolationType,
     ValidationError,
 )
-from packaging.requirements import Requirement  # hydra-core's dependency
+from packaging.requirements import Requirement  # named in pyproject (check_torch)
 from packaging.version import InvalidVersion, Version
 
 from trainkit import dist, launch, loggers, optim, options, parent, schema, stop

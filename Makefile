@@ -19,7 +19,7 @@ FREEZE ?=
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,hf]"
 	touch $@
 
 train: $(VENV)/.installed

@@ -17,7 +17,6 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, records, steps, stop
@@ -155,7 +154,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # What is learned: the loss of a batch's items, the evaluation sums; task.teacher: a frozen run beside the model
     # (a resume reads its copy in the run dir; a teacher of other data than cfg.data is refused here)
     task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None, data=cfg.data)
-    net = instantiate(parent.model_node(cfg))  # cfg.model less model.init
+    net = parent.build_model(cfg, mode)  # cfg.model less model.init; fsdp: maybe on meta, loaded in wrap
     # model.init.from: a finished run's weights, before wrapping. Not on a resume: its checkpoint holds the
     # weights, and the parent's dir may be gone (what the run needs of it is in run_dir/parent).
     chained = parent.load_into(net, cfg.model.get("init"), d.print0) if resumed is None else None

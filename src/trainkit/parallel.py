@@ -16,6 +16,7 @@ from trainkit.batch import emptied
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.loading import shard_bounds
+from trainkit.materialize import on_meta
 from trainkit.syncbn import convert_sync_batchnorm
 
 
@@ -132,7 +133,8 @@ def wrap(
     graph per batch shape, so an epoch's short last micro-batch costs one more recording)."""
     compiled = compile_mode(compile, mode)  # None: eager
     stats = CommStats()
-    model = model.to(d.device)
+    deferred = on_meta(model)  # built on the meta device (parallel=fsdp): sharded first, then its weights loaded
+    model = model if deferred else model.to(d.device)
     if sync_bn:
         model, sync_bn = _sync_batchnorm(model, d)
     if compiled and mode != "fsdp":
@@ -159,6 +161,8 @@ def wrap(
             _shard(model, unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         _shard(model, model, mesh=mesh, mp_policy=policy)  # the root: every parameter left over
         _count_reduce_scatters(model, stats, d.world_size // replicate, replicated=replicate > 1)
+    if deferred:  # each rank makes its own shards and loads them (trainkit/materialize.py)
+        unwrap(model).materialize(d.device)  # type: ignore[operator]
     return model, stats
 
 

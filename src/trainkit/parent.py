@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from trainkit.checkpoint import load_model
 from trainkit.dist import env_rank
 from trainkit.errors import ConfigError
+from trainkit.materialize import deferred
 
 WEIGHTS = {"last": "model.pt", "best": "model_best.pt", "ema": "model_ema.pt"}  # also eval.py's, predict.py's weights=
 WHY_ABSENT = {
@@ -42,6 +43,14 @@ def model_node(cfg: DictConfig) -> DictConfig:
     with open_dict(cfg.model):
         del cfg.model["init"]
     return cfg.model
+
+
+def build_model(cfg: DictConfig, mode: str) -> torch.nn.Module:
+    """The run's model (cfg.model less model.init). parallel=fsdp without model.init: a room may build it on the
+    meta device and load its weights shard by shard after wrapping (trainkit/materialize.py); model.init loads a
+    parent's whole state_dict before wrapping, so its model is built whole."""
+    with deferred(mode == "fsdp" and not cfg.model.get("init")):
+        return instantiate(model_node(cfg))
 
 
 class Parent:

@@ -1,5 +1,6 @@
 """Activation checkpointing (model.activation_checkpointing): the helpers a model's forward uses to run
-its stages as checkpointed segments (trainkit/models/cnn.py, gpt.py, resnet.py and timm.py use them)."""
+its stages as checkpointed segments (trainkit/models/cnn.py, gpt.py, resnet.py), or to make a block of a
+library's model one (timm.py, hf.py: outermost, checkpoint_forward)."""
 
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -82,3 +83,32 @@ class Staged(nn.Sequential):
             x = checkpointed(layers[start:stop], x)
             done = stop
         return _apply(layers[done:], x)
+
+
+def outermost(model: nn.Module, classes: tuple[str, ...]) -> list[nn.Module]:
+    """The modules of `classes` that no other of them contains."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if m is model or id(m) in inside or type(m).__name__ not in classes:
+            continue
+        found.append(m)
+        inside.update(id(sub) for sub in m.modules())
+    return found
+
+
+def checkpoint_forward(block: nn.Module) -> None:
+    """Make `block`'s forward one checkpointed segment in a training forward (an instance attribute:
+    the parameter names, and FSDP2's hooks around __call__, stay as they are)."""
+    plain = block.forward
+
+    def forward(*args, **kwargs):
+        if not recomputing_pays(block):
+            return plain(*args, **kwargs)
+
+        def contexts():  # forward's, and the recomputation's: BatchNorm's running statistics put back
+            return nullcontext(), _KeepBatchNormStats([block])
+
+        return checkpoint(plain, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    block.forward = forward

@@ -21,17 +21,15 @@ Why a module of its own: timm's models need three things trainkit's own models b
 """
 
 import difflib
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import MISSING
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainkit.errors import ConfigError
-from trainkit.recompute import _KeepBatchNormStats, recomputing_pays
+from trainkit.recompute import checkpoint_forward, outermost
 
 
 @dataclass
@@ -184,32 +182,3 @@ def is_block(module: nn.Module) -> bool:
 def block_classes(model: nn.Module) -> tuple[str, ...]:
     """The class names of the blocks in `model` (the rule in the module's docstring), sorted."""
     return tuple(sorted({type(m).__name__ for m in model.modules() if m is not model and is_block(m)}))
-
-
-def outermost(model: nn.Module, classes: tuple[str, ...]) -> list[nn.Module]:
-    """The modules of `classes` that no other of them contains."""
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for m in model.modules():
-        if m is model or id(m) in inside or type(m).__name__ not in classes:
-            continue
-        found.append(m)
-        inside.update(id(sub) for sub in m.modules())
-    return found
-
-
-def checkpoint_forward(block: nn.Module) -> None:
-    """Make `block`'s forward one checkpointed segment in a training forward (an instance attribute:
-    the parameter names, and FSDP2's hooks around __call__, stay as they are)."""
-    plain = block.forward
-
-    def forward(*args, **kwargs):
-        if not recomputing_pays(block):
-            return plain(*args, **kwargs)
-
-        def contexts():  # forward's, and the recomputation's: BatchNorm's running statistics put back
-            return nullcontext(), _KeepBatchNormStats([block])
-
-        return checkpoint(plain, *args, use_reentrant=False, context_fn=contexts, **kwargs)
-
-    block.forward = forward

@@ -71,6 +71,19 @@ def lm_runs(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in runs}
 
 
+def token_classes(val_fraction: float = 0.2, test_fraction: float = 0.2):
+    """data.splits._target_=test_hf.token_classes: padded token sequences of 3 to 12 tokens, 3 classes (what
+    data=hf makes of a labelled text column): ({input_ids, attention_mask}, label) samples."""
+    g = torch.Generator().manual_seed(7)
+    n, length = 80, 12
+    lengths = torch.randint(3, length + 1, (n,), generator=g)
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    ids = torch.randint(1, 14, (n, length), generator=g) * mask  # 0: the padding id
+    labels = ids[:, 0] % 3
+    samples = [({"input_ids": ids[i], "attention_mask": mask[i]}, labels[i]) for i in range(n)]
+    return samples[:56], samples[56:72], samples[72:]
+
+
 def test_pretrained_loads_the_weights_transformers_loads(tiny_llama):
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +144,22 @@ def test_lora_trains_the_adapter_alone_and_two_ranks_train_as_one(tiny_llama, tm
             name = key.removeprefix("net.base_model.model.").replace(".base_layer.", ".")
             tied = name == "lm_head.weight"  # the head is the embedding (tie_word_embeddings), stored once
             assert torch.equal(value, base["model.embed_tokens.weight" if tied else name]), key
+
+
+@pytest.mark.slow
+def test_a_sequence_classifier_on_two_ranks_trains_as_one_process(tiny_llama, tmp_path):
+    """The causal LM's body with a new classification head (not in its file: initialised from the run's seed, the
+    same on every rank and at any parallel mode), on padded text whose last real token it classifies."""
+    model = [*pretrained(tiny_llama), "model.kind=sequence_classification", "+model.config={pad_token_id:0}"]
+    data = ["data.splits._target_=test_hf.token_classes", "data.num_classes=3", "logger=none"]
+    run_in_process(tmp_path / "single", *model, *data, *STEPS, *ONE)
+    for parallel in ("ddp", "fsdp"):
+        run_in_process(tmp_path / parallel, *model, *data, *STEPS, *TWO, f"parallel={parallel}", nproc=2)
+        diff = max_diff(weights(tmp_path / parallel), weights(tmp_path / "single"))
+        print(f"sequence classification, {parallel}: max |weights - one process| {diff:.2e}")
+        assert diff < TOLERANCE
+    head = weights(tmp_path / "single")["net.score.weight"]
+    assert head.shape == (3, 32)
 
 
 def test_our_token_mean_equals_hf_labels_loss_at_k1_and_not_theirs_at_k4(tiny_llama):

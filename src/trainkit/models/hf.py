@@ -110,7 +110,12 @@ def model_config(
     keys = plain(config)
     if num_labels is not None:
         keys["num_labels"] = num_labels
-    if pretrained is not None:
+    if pretrained is not None and (run := trainkit_run(pretrained)) is not None:  # a finished model=hf run
+        node = run.model
+        conf = model_config(*(node.get(k) for k in ("pretrained", "config", "num_labels", "tokenizer", "vocab_size")))
+        for key, value in keys.items():
+            setattr(conf, key, value)
+    elif pretrained is not None:
         try:
             conf = AutoConfig.from_pretrained(local_dir(pretrained), **keys)
         except OSError as error:
@@ -143,6 +148,25 @@ def load_tokenizer(name: str):
         return AutoTokenizer.from_pretrained(local_dir(name))
     except OSError as error:
         raise ConfigError(f"tokenizer {name}: {_first_line(error)}") from None
+
+
+def trainkit_run(name: str):
+    """The config of a finished trainkit run of model=hf named as model.pretrained (its .hydra/config.yaml and
+    model.pt: a parent run the experiment builds on), else None. Its weights load as a Hugging Face dir's would."""
+    path = Path(name).expanduser()
+    if (path / "config.json").exists() or not (path / ".hydra" / "config.yaml").is_file():
+        return None
+    from trainkit import config
+
+    run = OmegaConf.load(path / ".hydra" / "config.yaml")
+    config.typed(run)  # the rooms' resolvers its keys use
+    if run.model.get("_target_") != f"{__name__}.hf_model":
+        raise ConfigError(f"model.pretrained={name} is a run of {run.model.get('_target_')}, not of model=hf")
+    if run.model.get("adapter"):
+        raise ConfigError(f"model.pretrained={name} trained a LoRA adapter: its merged export (src/export.py) is one")
+    if not (path / "model.pt").is_file():
+        raise ConfigError(f"model.pretrained={name} has no model.pt: not a finished training run")
+    return run
 
 
 def local_dir(name: str) -> str:
@@ -285,6 +309,8 @@ def _load_files(model: "HFModel", weights: str | None) -> set[str]:
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
+    if trainkit_run(str(weights)) is not None:  # a parent run's model.pt (whole: it was written whole)
+        return _load_run(model, Path(str(weights)) / "model.pt")
     files = sorted(Path(weights or "").glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.pretrained: no *.safetensors in {weights} (save_pretrained writes them)")
@@ -310,6 +336,18 @@ def _load_files(model: "HFModel", weights: str | None) -> set[str]:
     with torch.no_grad(), warnings.catch_warnings():  # no_dist: each rank reads its own rows, no collective
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(weights)), no_dist=True)
+    return loaded
+
+
+def _load_run(model: "HFModel", path: Path) -> set[str]:
+    """Load a trainkit run's model.pt (memory-mapped: a rank touches the rows it copies) into `model`'s tensors."""
+    state = {file_name(k): v for k, v in torch.load(path, weights_only=True, mmap=True).items()}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if (value := state.get(file_name(name))) is not None:
+                _copy_rows(tensor, value)
+                loaded.add(name)
     return loaded
 
 

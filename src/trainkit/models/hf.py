@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
 
 from trainkit.errors import ConfigError
@@ -158,7 +158,7 @@ def trainkit_run(name: str):
         return None
     from trainkit import config
 
-    run = OmegaConf.load(path / ".hydra" / "config.yaml")
+    run = cast(DictConfig, OmegaConf.load(path / ".hydra" / "config.yaml"))
     config.typed(run)  # the rooms' resolvers its keys use
     if run.model.get("_target_") != f"{__name__}.hf_model":
         raise ConfigError(f"model.pretrained={name} is a run of {run.model.get('_target_')}, not of model=hf")

@@ -174,6 +174,12 @@ def _run(func, args, kwargs):
     out = func(*_real(args), **_real(kwargs | ({"device": CPU} if made_here else {})))
     if made_here and not here:
         return _wrap(out)
+    if func.is_view and torch.is_inference_mode_enabled() and not any(t.is_inference() for t in here):
+        # A view of a normal tensor (a parameter's expand: ViT's class token) inside inference mode: its wrapper
+        # made there would be an inference tensor that cannot share the base's version counter (CUDA's is no
+        # new tensor). Made outside inference mode, as the base is.
+        with torch.inference_mode(False):
+            return return_and_correct_aliasing(func, args, kwargs, _wrap(out))
     return return_and_correct_aliasing(func, args, kwargs, _wrap(out))
 
 

@@ -54,7 +54,10 @@ def _one_run(name: str) -> bool:
 
 def overrides_for(task: str, tmp: Path) -> list[str]:
     """The first one-process experiment whose task is `task` (a parent made for it where it builds on one), made
-    small; the default job (task=<task>) where no experiment uses it."""
+    small; the default job (task=<task>) where no experiment uses it. `task` +experiment=<name>: that one."""
+    if task.startswith("+experiment="):
+        name = task.removeprefix("+experiment=")
+        return [task, *SMALL[compose_experiment(name).data.name], *parent_overrides(name, tmp)]
     for name in filter(_one_run, EXPERIMENTS):
         cfg = compose_experiment(name)
         one_process = cfg.parallel.mode not in ("ddp", "fsdp") and not cfg.parallel.get("nproc_per_node")
@@ -63,6 +66,13 @@ def overrides_for(task: str, tmp: Path) -> list[str]:
                 continue  # a fine-tune or probe of another experiment's run: that run's task is covered there
             return [f"+experiment={name}", *SMALL[cfg.data.name], *parent_overrides(name, tmp)]
     return [f"task={task}", *SMALL["digits"]]
+
+
+def experiments_of(model: str) -> list[str]:
+    """The one-process experiments of conf/model/<model>.yaml: a model room with code paths of its own (model=hf: its
+    wrapper, a built-on-meta model's loading, peft's adapters) runs each of them, made small."""
+    target = OmegaConf.load(ROOT / "conf" / "model" / f"{model}.yaml")._target_
+    return [name for name in filter(_one_run, EXPERIMENTS) if compose_experiment(name).model._target_ == target]
 
 
 @pytest.fixture
@@ -108,7 +118,7 @@ def waits(syncs, quiet: set[int]) -> dict[int, list]:
     return {step: syncs.at(step) for step in sorted(quiet) if syncs.at(step)}
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", TASKS + [f"+experiment={name}" for name in experiments_of("hf")])
 def test_every_task_runs_its_every_path_on_another_device(task, device, quiet_steps, tmp_path):
     """Train (evaluations, EMA, early stopping's counter, a checkpoint, the best weights, the test pass), then
     predict.py on the device; the device's step-2 checkpoint resumed on the CPU ends with the device run's weights,

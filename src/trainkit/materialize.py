@@ -1,8 +1,8 @@
 """Models too large for one rank: a model room builds the module on the meta device (shapes, no memory) when the
-engine asks it to (`deferring()`, parallel=fsdp), parallel.wrap shards it, and the model's `materialize(device)`
-then makes each rank's tensors and loads its shard of the weights (model=hf: from the safetensors files, through
-torch.distributed.checkpoint's Hugging Face reader, which reads each rank's rows alone). No rank ever holds the
-whole model. A room that does not defer builds as always; the engine reads only the hook."""
+engine lets it (`deferring()`: parallel=fsdp) and sets `materialize_pending`; parallel.wrap shards it, then the
+model's `materialize(device)` makes each rank's tensors and loads its shard of the weights (model=hf: from the
+safetensors files, through torch.distributed.checkpoint's Hugging Face reader, which reads each rank's rows alone).
+No rank ever holds the whole model. A room that does not defer builds as always; the engine reads only the hook."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +29,7 @@ def deferring() -> bool:
     return _deferring
 
 
-def on_meta(model: nn.Module) -> bool:
-    """Built on the meta device, not yet materialized."""
-    return any(p.is_meta for p in model.parameters())
+def pending(model: nn.Module) -> bool:
+    """Built on the meta device, its weights not yet loaded: the room set `materialize_pending` (not inferred from
+    the tensors: a device that is no CPU may wear the meta label, tests/another_device.py's does)."""
+    return bool(getattr(model, "materialize_pending", False))

@@ -16,7 +16,7 @@ from trainkit.batch import emptied
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
 from trainkit.loading import shard_bounds
-from trainkit.materialize import on_meta
+from trainkit.materialize import pending
 from trainkit.syncbn import convert_sync_batchnorm
 
 
@@ -133,7 +133,7 @@ def wrap(
     graph per batch shape, so an epoch's short last micro-batch costs one more recording)."""
     compiled = compile_mode(compile, mode)  # None: eager
     stats = CommStats()
-    deferred = on_meta(model)  # built on the meta device (parallel=fsdp): sharded first, then its weights loaded
+    deferred = pending(model)  # built on the meta device (parallel=fsdp): sharded first, then its weights loaded
     model = model if deferred else model.to(d.device)
     if sync_bn:
         model, sync_bn = _sync_batchnorm(model, d)

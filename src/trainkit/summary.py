@@ -39,7 +39,7 @@ from trainkit import heldout
 from trainkit.batch import to_device, unpack
 from trainkit.dist import Dist
 from trainkit.loading import TrainWindows, collate_fn
-from trainkit.materialize import on_meta
+from trainkit.materialize import pending
 
 # Dense peaks in TFLOP/s (no sparsity) by a substring of torch.cuda.get_device_name(), first match
 # wins: bf16/fp16 tensor cores, and fp32 without TF32 (torch's matmul default). The vendors' data sheets.
@@ -166,7 +166,7 @@ def describe(
     The model goes to its device first (wrap() would move it there anyway) so the forward runs there.
     beside: frozen modules the task runs next to the model ({"teacher": ...}; None: absent), on the device
     already: their parameters, size and forward FLOPs per sample, as `<name>_params`, ... (no training FLOPs)."""
-    if not on_meta(model):  # a model on the meta device (parallel=fsdp) is counted there; its FLOPs are not measured
+    if not pending(model):  # a model on the meta device (parallel=fsdp) is counted there; its FLOPs are not measured
         model.to(d.device)
     counts = parameters(model)
     facts: dict = {

@@ -10,6 +10,9 @@ what the task's `loss_sum` reads. What the engine reads from it, all optional:
 - `flops_per_token(length)` and `flops_formula`: a formula the summary prints beside its FLOP count.
 - `layer_of(name)`: the layer of a parameter (0 on the input side, the head last): `optim.layer_decay`'s order
   (GPT's; model=timm sets it from timm's group_matcher).
+- `materialize_pending` and `materialize(device)`: a model built on the meta device when trainkit.materialize's
+  `deferring()` allows it (parallel=fsdp), its weights loaded by `materialize` after sharding, each rank its shard
+  (model=hf's pretrained weights: no rank holds the whole model).
 - `adapt_init(name, parent_tensor)`: model.init's hook for a parent's tensor of another shape: the tensor in this
   model's shape, or None (refused in one line). GPT's: a shorter context's position table into its longer one.
 

@@ -77,7 +77,8 @@ def hf_model(
     with torch.device("meta"):  # shapes only: the weights load in materialize
         net = with_adapter(cls.from_config(conf, **args), adapter)
     model = HFModel(net, activation_checkpointing, weights=local_dir(pretrained), seed=torch.initial_seed())
-    if not deferring():  # parallel=fsdp materializes after sharding (trainkit.parallel.wrap); the rest here
+    model.materialize_pending = deferring()  # parallel=fsdp: materialized after sharding (trainkit.parallel.wrap)
+    if not model.materialize_pending:
         model.materialize(torch.device("cpu"))
     return model
 
@@ -267,6 +268,7 @@ class HFModel(nn.Module):
                 module._parameters[attr] = first
         loaded = _load_files(self, self._weights)
         _initialise_rest(self, loaded)
+        self.materialize_pending = False
 
 
 def layer_numbers(model: nn.Module, unit_classes: tuple[str, ...]) -> dict[str, int]:

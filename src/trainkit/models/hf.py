@@ -175,6 +175,8 @@ def local_dir(name: str) -> str:
     refused in one line naming the id and the cache where it is not there."""
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:  # a path, not a Hub id (owner/name)
+        raise ConfigError(f"{name}: no such directory (a Hugging Face dir, a Hub id owner/name, or a model=hf run)")
     from huggingface_hub import constants, snapshot_download
 
     try:

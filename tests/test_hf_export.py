@@ -1,8 +1,9 @@
-"""src/export.py: a finished model=hf run as a Hugging Face directory. A tiny Llama (save_pretrained into a temp dir)
-trained 2 SGD steps on data=addition, plain and with a LoRA adapter; exported, transformers' (or peft's)
-from_pretrained gives the run's logits on a batch (fp32, 1e-6): the plain model, the adapter merged, the adapter alone
-on its base. The tokenizer travels with it; what cannot be exported is refused in one line, nothing written. All
-offline: every model and tokenizer is made here."""
+"""src/export.py: a finished model=hf run as a Hugging Face directory. A tiny Llama (save_pretrained into a temp dir,
+and into a Hugging Face cache made here, as a Hub id) trained 2 SGD steps on data=addition, plain and with a LoRA
+adapter; exported, transformers' (or peft's) from_pretrained gives the run's logits on a batch (fp32, 1e-6): the
+plain model, the adapter merged, the adapter alone on its base (the Hub id the run named). The tokenizer travels with
+it; what cannot be exported is refused in one line, nothing written. All offline: every model and tokenizer is made
+here."""
 
 import json
 import shutil
@@ -33,18 +34,25 @@ LORA = ["+model.adapter={r:4,alpha:8,target_modules:[q_proj,v_proj]}"]
 EXACT = dict(atol=1e-6, rtol=0)  # fp32: the issue's bound; measured 0 (plain) and ~1e-7 (merged: W + BA rounded)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def offline():
-    from huggingface_hub import constants
-
-    with pytest.MonkeyPatch.context() as patch:  # a Hub id would be one line, never a download
-        patch.setattr(constants, "HF_HUB_OFFLINE", True)
-        yield
+HUB_ID = "trainkit-test/tiny-llama"  # the LoRA run's model.pretrained: a Hub id, found in a local cache offline
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The tiny Llama's dir ("base") and its finished runs: plain, LoRA, and a model=gpt run (not model=hf)."""
+def hub_cache(tmp_path_factory):
+    """A Hugging Face cache made here (offline: a Hub id resolves to its snapshot there, never a download)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path_factory.mktemp("hf_cache") / "hub"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
+        patch.setattr(constants, "HF_HUB_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def runs(hub_cache, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Llama's dir ("base", also in the cache as HUB_ID) and its finished runs: plain (model.pretrained the
+    dir), LoRA (model.pretrained the Hub id) and a model=gpt run (not model=hf)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from trainkit.data.addition import VOCAB
@@ -54,9 +62,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     keys = dict(LLAMA)
     config = AutoConfig.for_model(keys.pop("model_type"), vocab_size=len(VOCAB), **keys)
     AutoModelForCausalLM.from_config(config).save_pretrained(root / "base")
-    hf = ["model=hf", f"model.pretrained={root / 'base'}"]
-    run_in_process(root / "plain", *hf, *RUN)
-    run_in_process(root / "lora", *hf, *LORA, *RUN)
+    repo = hub_cache / f"models--{HUB_ID.replace('/', '--')}"
+    shutil.copytree(root / "base", repo / "snapshots" / ("0" * 40))  # the cache's layout: a snapshot and its ref
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    run_in_process(root / "plain", "model=hf", f"model.pretrained={root / 'base'}", *RUN)
+    run_in_process(root / "lora", "model=hf", f"model.pretrained={HUB_ID}", *LORA, *RUN)
     run_in_process(root / "gpt", "model=gpt", "model.n_layer=1", "model.n_embd=16", *RUN)
     return {"base": root / "base", **{name: root / name for name in ("plain", "lora", "gpt")}}
 
@@ -120,14 +131,15 @@ def test_a_lora_run_exports_merged_and_as_the_adapter_alone(runs, tmp_path):
     torch.testing.assert_close(logits(merged, x), expected, **EXACT)
 
     line = export(runs["lora"], tmp_path / "adapter", "merge=false")
-    assert f"for the base model.pretrained={runs['base']}" in line and "PeftModel.from_pretrained(" in line
+    assert f"for the base model.pretrained={HUB_ID}" in line
+    assert f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{HUB_ID}'), " in line
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert adapter_config["base_model_name_or_path"] == str(runs["base"])
+    assert adapter_config["base_model_name_or_path"] == HUB_ID  # as the run named it, not the cache's path
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question
         warnings.simplefilter("ignore", FutureWarning)
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(runs["base"]), tmp_path / "adapter")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(HUB_ID), tmp_path / "adapter")
     torch.testing.assert_close(logits(model, x), expected, **EXACT)
 
 

@@ -44,7 +44,9 @@ def export(model: Any, run_cfg: DictConfig, directory: Path, merge: bool, out: s
             _same_base(model, str(pretrained))
             net = model.net
             net.peft_config["default"].base_model_name_or_path = str(pretrained)  # as given, not the cache's path
-            net.save_pretrained(str(directory))
+            # save_embedding_layers: peft's "auto" asks the Hub whether the vocabulary was resized; trainkit never
+            # resizes it (the embedding is the pretrained one's shape), so the base's embedding is the base's.
+            net.save_pretrained(str(directory), save_embedding_layers=False)
             what, base = "the LoRA adapter alone", f", for the base model.pretrained={pretrained}"
             how = f"PeftModel.from_pretrained({auto}.from_pretrained({str(pretrained)!r}), {out!r})"
         else:

@@ -48,7 +48,8 @@ def export(model: Any, run_cfg: DictConfig, directory: Path, merge: bool, out: s
             # resizes it (the embedding is the pretrained one's shape), so the base's embedding is the base's.
             net.save_pretrained(str(directory), save_embedding_layers=False)
             what, base = "the LoRA adapter alone", f", for the base model.pretrained={pretrained}"
-            how = f"PeftModel.from_pretrained({auto}.from_pretrained({str(pretrained)!r}), {out!r})"
+            args = _base_args(core(net), str(pretrained))
+            how = f"PeftModel.from_pretrained({auto}.from_pretrained({str(pretrained)!r}{args}), {out!r})"
         else:
             hf = model.net.merge_and_unload() if node.get("adapter") else core(model.net)
             if getattr(hf.config, "use_cache", None) is False:
@@ -94,6 +95,16 @@ def _same_base(model: Any, pretrained: str) -> None:
                 f"merge=false: the run's base weights are not model.pretrained={pretrained}'s ({own} differs: "
                 "model.init?), so the adapter alone on it is not the run's model: export merged (merge=true)"
             )
+
+
+def _base_args(hf: Any, pretrained: str) -> str:
+    """The from_pretrained keywords that build the run's base from model.pretrained where its config says otherwise:
+    a classification head's classes (num_labels), the padding id the run took from its tokenizer (pad_token_id)."""
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.from_pretrained(local_dir(pretrained))
+    keys = [k for k in ("num_labels", "pad_token_id") if getattr(hf.config, k, None) != getattr(theirs, k, None)]
+    return "".join(f", {k}={getattr(hf.config, k)!r}" for k in keys)
 
 
 def _pretrained_generation_config(hf: Any, pretrained: str) -> None:

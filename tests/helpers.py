@@ -111,11 +111,11 @@ def _entry_point(script: str, run_dir: str, overrides: tuple[str, ...]) -> str:
 
             with debug.command_line(overrides):  # its keys win over a debug mode's, as on the command line
                 train.run(compose_cfg(*overrides), Path(run_dir))
-        else:  # predict, eval: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra does)
+        else:  # predict, eval, export: what its main() runs, into run_dir (Hydra's output dir, made first as Hydra)
             from trainkit import dist as trainkit_dist
 
             entry = importlib.import_module(script)
-            run = entry.predict_run if script == "predict" else entry.eval_run
+            run = getattr(entry, f"{script}_run")  # predict_run, eval_run, export_run
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             try:
                 run(compose_cfg(*overrides, config_name=script), Path(run_dir))
@@ -156,17 +156,18 @@ def run_in_process(
     return "".join(run_distributed(_torchrun_worker, nproc, script, str(run_dir), overrides, group=False))
 
 
-def cli_in_process(capfd: Any, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """`python src/train.py [flags] hydra.run.dir=<run_dir> overrides` in this process, where torch and trainkit
-    are imported already: the script run as __main__ with that sys.argv; its exit status, stdout and stderr (from
-    pytest's capfd, which also holds what workers forked from here print). For what train.py's parent does with
-    its workers (trainkit/launch.py: restarts, the root cause's line and status) without an interpreter that
-    imports torch (~5 s). A signal to the parent runs the real command (run_train): its handlers here would end
-    this process on a bug (stop.at_once), as would the stop line of a signal during start-up."""
+def cli_in_process(capfd: Any, run_dir: Path, *overrides: str, script: str = "train") -> subprocess.CompletedProcess:
+    """`python src/train.py [flags] hydra.run.dir=<run_dir> overrides` (or src/<script>.py) in this process, where
+    torch and trainkit are imported already: the script run as __main__ with that sys.argv; its exit status, stdout
+    and stderr (from pytest's capfd, which also holds what workers forked from here print). For what train.py's
+    parent does with its workers (trainkit/launch.py: restarts, the root cause's line and status) without an
+    interpreter that imports torch (~5 s). A signal to the parent runs the real command (run_train): its handlers
+    here would end this process on a bug (stop.at_once), as would the stop line of a signal during start-up."""
     import runpy
 
     flags = [o for o in overrides if o.startswith("-")]
-    argv = [str(ROOT / "src/train.py"), *flags, f"hydra.run.dir={run_dir}", *(o for o in overrides if o not in flags)]
+    argv = [str(ROOT / "src" / f"{script}.py"), *flags, f"hydra.run.dir={run_dir}"]
+    argv += [o for o in overrides if o not in flags]
     capfd.readouterr()  # what the test printed before
     code: int | str | None = 0
     with _process_state_kept():

@@ -1,4 +1,4 @@
-"""A finished training run, read back by src/predict.py and src/eval.py: its composed config and its
+"""A finished training run, read back by src/predict.py, src/eval.py and src/export.py: its composed config and its
 weights (model.pt, model_best.pt, model_ema.pt or a file), with one-line errors for what is missing.
 Shared here because no entry point imports another."""
 
@@ -18,7 +18,7 @@ from trainkit.halving import EvalBatches
 from trainkit.parent import WEIGHTS, model_node  # weights=<name>: in the run dir
 
 
-def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> DictConfig:
+def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...] = ()) -> DictConfig:
     """The training run's composed config; one-line errors for what is missing or wrong."""
     if OmegaConf.is_missing(cfg, "run_dir"):
         raise ConfigError(f"run_dir is required: python src/{script}.py run_dir=<dir of a training run>")
@@ -28,9 +28,9 @@ def load_run_config(cfg: DictConfig, script: str, splits: tuple[str, ...]) -> Di
     for name in (".hydra/config.yaml", "model.pt"):  # model.pt appears when training has finished
         if not (run_dir / name).is_file():
             raise ConfigError(f"run_dir={run_dir} has no {name}: not a finished training run")
-    if cfg.split not in splits:
+    if "split" in cfg and cfg.split not in splits:  # export.py reads no split
         raise ConfigError(f"split={cfg.split} is not one of: {', '.join(splits)}")
-    if cfg.batch_size is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
+    if cfg.get("batch_size") is not None and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
         raise ConfigError(f"batch_size={cfg.batch_size} must be null or a positive integer")
     run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     if not isinstance(run_cfg, DictConfig):

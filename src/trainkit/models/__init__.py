@@ -25,4 +25,8 @@ Its module may declare (trainkit/options.py reads them; the engine imports no fi
 - `Schema`: a dataclass of the yaml's keys, instead of the derived one (a signature with **kwargs, or defaults of
   the yaml that are not the constructor's: models/timm.py).
 - `check(cfg)`: refuse a config the model cannot work with, raising trainkit.errors.ConfigError naming the key.
+- `export(model, run_cfg, directory, merge, out) -> str`: src/export.py's, the finished run's model (its weights
+  loaded) written into `directory` in its library's own format (model=hf: a Hugging Face directory), returning
+  what was written and how it loads; `check_export(run_cfg, merge)` refuses before the model is built. A model
+  without `export` is refused by export.py in one line.
 """

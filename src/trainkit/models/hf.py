@@ -420,3 +420,17 @@ def check(cfg) -> None:
             f"ids (model.pretrained / model.config.vocab_size): the model's own tokenizer (data.tokenizer), or a "
             "config with vocab_size: ${data.vocab_size}"
         )
+
+
+def check_export(run_cfg, merge: bool) -> None:
+    """src/export.py's check of a finished run before it builds the model (models/hf_export.py)."""
+    from trainkit.models import hf_export
+
+    hf_export.check_export(run_cfg, merge)
+
+
+def export(model: HFModel, run_cfg, directory: Path, merge: bool, out: str) -> str:
+    """src/export.py's: the run's model as a Hugging Face directory (models/hf_export.py)."""
+    from trainkit.models import hf_export
+
+    return hf_export.export(model, run_cfg, directory, merge, out)

@@ -185,7 +185,7 @@ def local_dir(name: str) -> str:
         offline = " (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else ""
         raise ConfigError(
             f"{name} is neither a local dir nor in the Hugging Face cache {constants.HF_HUB_CACHE}{offline}: "
-            f"{type(error).__name__}; download it where there is a network (huggingface-cli download {name}) or "
+            f"{type(error).__name__}; download it where there is a network (hf download {name}) or "
             "name a dir holding config.json and *.safetensors"
         ) from None
 

@@ -28,6 +28,21 @@ allocations and frees torch's profiler records (profile_memory=True). Both: abov
 allocated before the forward (the parameters), so activations, gradients and temporaries.
 
     python scripts/bench_memory.py --activation-checkpointing
+
+`--hf-load` measures model=hf's pretrained load instead (issue 59): a Llama-style model written with
+save_pretrained (safetensors, fp32, untied head) is loaded on W gloo CPU ranks, each variant in fresh processes:
+trainkit's parallel=fsdp path (built on the meta device inside trainkit.materialize.deferred(True), sharded by
+trainkit.parallel.wrap, then each rank reads its rows of the files), the whole load (deferred(False)), the whole
+load then sharded (what FSDP costs without the meta device), and transformers' own from_pretrained. Measured over
+the build and one read of every parameter (from_pretrained maps the file and reads nothing before), per rank: the
+peak resident memory above the start (/proc/self/status VmHWM, reset through /proc/self/clear_refs: getrusage's
+ru_maxrss is the same high-water mark), and its two parts' peaks, sampled every ms: anonymous memory (RssAnon, the
+process's own allocations) and mapped file pages (RssFile: the safetensors file's pages a rank has touched, the
+page cache's, shared by the ranks, held while the reader has the file open); the bytes of its parameters (its shards
+under FSDP), the wall time, and a checksum of the loaded parameters against the files'. --file-size writes several
+files (save_pretrained's max_shard_size).
+
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py --hf-load [--layers 8 --hidden 1024 --file-size 100MB]
 """
 
 import argparse
@@ -272,6 +287,210 @@ def checkpointing_table(args) -> None:
         )
 
 
+# --- model=hf: the peak memory of a pretrained load ---------------------------------------------
+
+# variant -> (trainkit's deferral, parallel=fsdp's wrap after the build); None: transformers' from_pretrained
+HF_VARIANTS = {
+    "fsdp: meta, shard, load rows": (True, True),
+    "whole (no sharding)": (False, False),
+    "whole, then fsdp": (False, True),
+    "transformers from_pretrained": None,
+}
+
+
+def write_llama(_, directory: str, args) -> None:
+    """A Llama-style causal LM, fp32, untied head, saved with save_pretrained (safetensors) into `directory`, with
+    its bytes and the sum of its tensors (what the loaded parameters must add up to) in directory/sum.json. Run in
+    a process of its own: the ranks fork from a process that never held the model (glibc's malloc raises its mmap
+    threshold after freeing large blocks: a rank forked after that keeps freed tensors in its heap)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(directory, **({"max_shard_size": args.file_size} if args.file_size else {}))
+    total = 0.0
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as opened:
+            names = opened.keys()
+            total += sum(param_sum([opened.get_tensor(name)]) for name in names)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    Path(directory, "sum.json").write_text(json.dumps({"bytes": size, "sum": total}))
+
+
+def status_kib() -> dict[str, int]:
+    """/proc/self/status's memory lines, KiB."""
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+
+
+class Peak:
+    """This process's resident memory over a block, above what it held at the start, bytes: `rss`, the kernel's
+    high-water mark (VmHWM, reset on entry through /proc/self/clear_refs; getrusage's ru_maxrss reads the same
+    mark, which cannot be reset), and the peaks of its two parts, sampled every ms by a thread (torch's copies
+    release the GIL; a tensor alive for under a ms may be missed): `anon` (RssAnon: the process's own memory) and
+    `file` (RssFile: pages of mapped files, the safetensors file's among them: page cache, shared by the processes
+    mapping it). `anon_end`: RssAnon at the end."""
+
+    def __enter__(self) -> "Peak":
+        import threading
+
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS now
+        self.start = status_kib()
+        self.peaks = {"RssAnon": self.start["RssAnon"], "RssFile": self.start["RssFile"]}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        self.seconds = time.perf_counter()
+        return self
+
+    def sample(self) -> None:
+        while not self.done.wait(0.001):
+            now = status_kib()
+            for key in self.peaks:
+                self.peaks[key] = max(self.peaks[key], now[key])
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.seconds
+        self.done.set()
+        self.thread.join()
+        end = status_kib()
+        for key in self.peaks:
+            self.peaks[key] = max(self.peaks[key], end[key])
+        self.rss = (end["VmHWM"] - self.start["VmRSS"]) * 1024
+        self.anon = (self.peaks["RssAnon"] - self.start["RssAnon"]) * 1024
+        self.file = (self.peaks["RssFile"] - self.start["RssFile"]) * 1024
+        self.anon_end = (end["RssAnon"] - self.start["RssAnon"]) * 1024
+
+
+def hf_build(variant: str, weights: str, d: Dist):
+    """The model of one variant, loaded from `weights`."""
+    from transformers import AutoModelForCausalLM
+
+    from trainkit.materialize import deferred
+    from trainkit.models.hf import hf_model
+
+    if HF_VARIANTS[variant] is None:
+        return AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    defer, shard = HF_VARIANTS[variant]
+    with deferred(defer):
+        model = hf_model(pretrained=weights)
+    if shard:
+        model, _ = wrap(model, "fsdp", d)
+    return model
+
+
+def param_sum(tensors) -> float:
+    """The sum of `tensors` in float64, 2 MB at a time (no whole float64 copy); reads every page once."""
+    total = 0.0
+    for t in tensors:
+        for chunk in t.detach().reshape(-1).split(1 << 18):
+            total += chunk.double().sum().item()
+    return total
+
+
+def hf_rank(rank: int, world_size: int, port: int, variant: str, weights: str, out: str) -> None:
+    """One rank of one variant (a fresh process: its high-water mark is reset at the start of the measurement);
+    measures the build and one read of every parameter (transformers' from_pretrained maps the files and reads
+    nothing until then); writes its numbers to `out`."""
+    import json
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    d = Dist(rank, rank, world_size, torch.device("cpu"))
+    with Peak() as peak:
+        model = hf_build(variant, weights, d)
+        params = list(model.parameters())
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        total = torch.tensor(param_sum(local), dtype=torch.float64)
+    if any(isinstance(p, DTensor) for p in params):  # this rank's rows: the whole is the sum over the ranks
+        dist.all_reduce(total)
+    result = {
+        "rss": peak.rss,
+        "anon": peak.anon,
+        "file": peak.file,
+        "anon_end": peak.anon_end,
+        "shards": nbytes(params),
+        "seconds": peak.seconds,
+        "sum": total.item(),
+    }
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def hf_load_table(args) -> None:
+    import json
+    import tempfile
+
+    import safetensors  # noqa: F401  what the ranks' loads import, imported once here: not in the measurement
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers.utils import logging
+
+    import trainkit.models.hf  # noqa: F401
+
+    logging.disable_progress_bar()  # save_pretrained's and from_pretrained's
+
+    with tempfile.TemporaryDirectory(prefix="bench_memory_hf.") as tmp:
+        weights = Path(tmp) / "llama"
+        mp.start_processes(write_llama, args=(str(weights), args), nprocs=1, join=True, start_method="fork")
+        written = json.loads((weights / "sum.json").read_text())
+        model_bytes, expected = written["bytes"], written["sum"]
+        rows = []
+        for variant in HF_VARIANTS:
+            out = Path(tmp) / f"out{len(rows)}"
+            out.mkdir()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            # fork: the ranks start with this process's imports (spawned, each imports torch and transformers
+            # again, ~10 s here) and measure above their own start
+            mp.start_processes(
+                hf_rank,
+                args=(args.world_size, port, variant, str(weights), str(out)),
+                nprocs=args.world_size,
+                join=True,
+                start_method="fork",
+            )
+            ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(args.world_size)]
+            row = {key: max(r[key] for r in ranks) for key in ranks[0] if key != "sum"}
+            row["loaded"] = all(abs(r["sum"] - expected) <= 1e-6 * max(1.0, abs(expected)) for r in ranks)
+            rows.append((variant, row))
+    print(
+        f"model=hf pretrained load: Llama, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, "
+        f"untied head; W={args.world_size} gloo ranks on the CPU ({os.cpu_count()} cores), each variant in fresh "
+        "processes; MB per rank (10^6 bytes, the largest over ranks), above the rank's memory before the build"
+    )
+    cols = [
+        ("peak RSS MB", "rss"),
+        ("peak anon MB", "anon"),
+        ("peak file MB", "file"),
+        ("anon after MB", "anon_end"),
+        ("shards MB", "shards"),
+    ]
+    titles = [title for title, _ in cols] + ["peak RSS / model", "peak anon / model", "seconds"]
+    print(f"| {'variant':<28} | model MB | " + " | ".join(titles) + " | loaded |")
+    print(f"|{'-' * 30}|----------|" + "|".join("-" * (len(t) + 2) for t in titles) + "|--------|")
+    for variant, r in rows:
+        cells = [f"{r[key] / 1e6:{len(title)}.1f}" for title, key in cols]
+        cells += [f"{r['rss'] / model_bytes:16.2f}", f"{r['anon'] / model_bytes:17.2f}", f"{r['seconds']:7.1f}"]
+        loaded = "yes" if r["loaded"] else "NO"
+        print(f"| {variant:<28} | {model_bytes / 1e6:8.1f} | " + " | ".join(cells) + f" | {loaded:>6} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["resnet18", "mlp"], default="resnet18")
@@ -283,7 +502,15 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="measure model.activation_checkpointing instead"
     )
     parser.add_argument("--timed-steps", type=int, default=2, help="--activation-checkpointing: steps timed")
+    parser.add_argument("--hf-load", action="store_true", help="measure model=hf's pretrained load instead")
+    parser.add_argument("--layers", type=int, default=8, help="--hf-load: the Llama's decoder layers")
+    parser.add_argument("--hidden", type=int, default=1024, help="--hf-load: its width (MLP: twice)")
+    parser.add_argument("--vocab", type=int, default=32000, help="--hf-load: its vocabulary")
+    parser.add_argument("--file-size", help="--hf-load: save_pretrained's max_shard_size (e.g. 100MB: several files)")
     args = parser.parse_args()
+    if args.hf_load:
+        hf_load_table(args)
+        return
     if args.activation_checkpointing:
         checkpointing_table(args)
         return

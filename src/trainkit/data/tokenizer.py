@@ -55,10 +55,12 @@ def _load(name: str, stamp: int, key: str):
         if Path(name).is_dir():
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ConfigError(f"{key}={name}: no tokenizer in this folder ({first})") from None
-        where = " (offline: HF_HUB_OFFLINE=1)" if offline() else ""
-        raise ConfigError(
-            f"{key}={name} is no folder, and no Hub tokenizer of that id is in the cache {hub_cache()}{where}"
-        ) from None
+        hub = (
+            f"no Hub tokenizer of that id is in the cache {hub_cache()} (offline: HF_HUB_OFFLINE=1)"
+            if offline()
+            else f"as a Hub id it did not load (cache {hub_cache()})"
+        )
+        raise ConfigError(f"{key}={name} is no folder, and {hub}") from None
 
 
 def bos_eos(tokenizer) -> tuple[int | None, int | None]:

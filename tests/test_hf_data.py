@@ -250,6 +250,8 @@ def test_pydoc_text_with_a_tokenizer_has_its_tokens_and_vocabulary(made):
     )  # ... EOS its last target
     assert set(train.files) == {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"}
     assert train.identity["data.tokenizer"]["sha256"] == tokenizer.sha256(hf_tok)
+    hf_tok(["for x in y"], truncation=True, max_length=2)  # a call that truncates leaves its setting on the backend
+    assert tokenizer.sha256(hf_tok) == train.identity["data.tokenizer"]["sha256"]  # not the tokenizer's identity
     cfg = OmegaConf.create(
         {
             "data": {
@@ -299,36 +301,48 @@ def test_prepare_text_takes_a_hugging_face_tokenizer(made, tmp_path):
     assert codec.encode("for")[0] == 1 and codec.decode(codec.encode("for x")) == "for x"
 
 
-TINY_GPT = ("model=gpt", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.batch_size=4")
+TINY_GPT = ("model=gpt", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "optim=sgd", "trainer.log_every=1")
 
 
 def test_train_py_trains_on_packed_hf_blocks_and_on_pydoc_text_through_a_tokenizer_it_trains(made, tmp_path, capfd):
-    """train.py end to end, in this process: data=hf packed for task=lm, and data=pydoc_text with data.tokenizer and
-    data.train_tokenizer (the keys +experiment=hf_lm_pydoc sets): the folder made once at the run's start and
-    data.vocab_size its size; each run dir holds the tokenizer's files; predict.py samples text through them."""
+    """train.py end to end, in this process: data=hf packed for task=lm (2 DDP ranks: the losses of one process), and
+    data=pydoc_text with data.tokenizer and data.train_tokenizer (the keys +experiment=hf_lm_pydoc sets) on 2 ranks:
+    the folder made by rank 0 at the run's start while rank 1 waits, data.vocab_size its size; each run dir holds the
+    tokenizer's files; predict.py samples text through them."""
     jsonl, tok = str(made["files"]["jsonl"]), str(made["tok"])
+    packed = (
+        "data=hf",
+        f"data.path={jsonl}",
+        f"data.tokenizer={tok}",
+        "data.pack=true",
+        "task=lm",
+        "data.block_size=16",
+    )
     hf_run = tmp_path / "hf"
-    proc = cli_in_process(
-        capfd, hf_run, "data=hf", f"data.path={jsonl}", f"data.tokenizer={tok}", "data.pack=true", "task=lm",
-        "data.block_size=16", "trainer.max_steps=2", *TINY_GPT,
-    )  # fmt: skip
+    proc = cli_in_process(capfd, hf_run, *packed, "trainer.max_steps=3", "data.batch_size=4", *TINY_GPT)
     assert proc.returncode == 0, proc.stderr
     assert "blocks of 16 tokens" in proc.stdout and "data=hf (198 train / 25 val / 22 test)" in proc.stdout
     assert (hf_run / "tokenizer" / "tokenizer.json").read_text() == (made["tok"] / "tokenizer.json").read_text()
-    folder = tmp_path / "pydoc_bpe300"
-    pydoc_run = tmp_path / "pydoc"
-    proc = cli_in_process(
-        capfd, pydoc_run, "data=pydoc_text", f"data.tokenizer={folder}", "data.train_tokenizer=300",
-        "data.block_size=64", "trainer.max_steps=2", *TINY_GPT,
+    run_in_process(tmp_path / "hf2", *packed, "trainer.max_steps=3", "data.batch_size=2", *TINY_GPT, nproc=2)
+    one, two = (_losses(run) for run in (hf_run, tmp_path / "hf2"))
+    assert len(one) == 3 and one == pytest.approx(two, rel=1e-5)  # SGD: reduction order alone
+    folder, pydoc_run = tmp_path / "pydoc_bpe300", tmp_path / "pydoc"
+    out = run_in_process(
+        pydoc_run, "data=pydoc_text", f"data.tokenizer={folder}", "data.train_tokenizer=300", "data.block_size=64",
+        "trainer.max_steps=2", "data.batch_size=2", *TINY_GPT, nproc=2,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert len(tokenizer.load(str(folder))) == 300 and "(300 ids, sha256" in proc.stdout
+    assert len(tokenizer.load(str(folder))) == 300 and "(300 ids, sha256" in out
+    assert sorted(p.name for p in tmp_path.iterdir() if "pydoc_bpe300" in p.name) == ["pydoc_bpe300"]  # one, whole
     config = OmegaConf.load(pydoc_run / ".hydra" / "config.yaml")
-    assert (
-        OmegaConf.select(config, "model.vocab_size") == 300 and config.task.per_token and not config.task.per_character
-    )
+    assert OmegaConf.select(config, "model.vocab_size") == 300
+    assert config.task.per_token and not config.task.per_character
     assert (pydoc_run / "tokenizer" / "tokenizer.json").is_file() and not (pydoc_run / "vocab.json").exists()
     assert "val/bpc" not in (pydoc_run / "metrics.jsonl").read_text()
     run_in_process(tmp_path / "out", f"run_dir={pydoc_run}", "prompt=for", "max_new_tokens=4", script="predict")
     sampled = (tmp_path / "out" / "samples.txt").read_text()
     assert sampled.startswith("for") and sampled.endswith("\n---------------\n")
+
+
+def _losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]

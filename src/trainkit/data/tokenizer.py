@@ -9,6 +9,7 @@ is IGNORE: it bears no loss either way).
 
 import functools
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -91,8 +92,12 @@ def size(tokenizer) -> int:
 
 
 def sha256(tokenizer) -> str:
-    """The tokenizer's identity: the SHA-256 of its tokenizer.json (a checkpoint resumes only with the same one)."""
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    """The tokenizer's identity (a checkpoint resumes only with the same one; the tokenized cache's name): the SHA-256
+    of its tokenizer.json less the truncation and padding a call leaves on it (the last call's: a call that truncates
+    changed it, the next that does not put it back)."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    state["truncation"] = state["padding"] = None
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def files(tokenizer) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Tokenize text files into a corpus for data=tokens (trainkit/data/corpus.py):
 
-    python scripts/prepare_text.py FILES_OR_DIRS --out DIR [--tokenizer bytes|bpe --vocab-size N]
+    python scripts/prepare_text.py FILES_OR_DIRS --out DIR [--tokenizer bytes|bpe|<HF tokenizer> --vocab-size N]
         [--val-fraction F] [--test-fraction F] [--glob '*.py' ...] [--exclude test ...] [--seed S]
 
 writes DIR/train.bin, val.bin, test.bin, tokenizer.json and meta.json, and prints the throughput.
@@ -27,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="text files, or folders searched recursively")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bytes")
+    parser.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes, bpe (trained on the train files), or a Hugging Face tokenizer's folder or Hub id (its files are "
+        "saved beside the corpus)",
+    )
     parser.add_argument("--vocab-size", type=int, default=4096, help="bpe: the vocabulary's size")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="of the documents (see the split above)")
     parser.add_argument(

@@ -181,7 +181,8 @@ def save(cfg: DictConfig, run_dir: Path, files: dict[str, str] | None = None) ->
         hydra_cfg = HydraConfig.get()
         OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), directory / "hydra.yaml")
         OmegaConf.save(hydra_cfg.overrides.task, directory / "overrides.yaml")
-    for name, content in (files or {}).items():
+    for name, content in (files or {}).items():  # a name may hold a folder (a tokenizer's files: tokenizer/...)
+        (Path(run_dir) / name).parent.mkdir(parents=True, exist_ok=True)
         (Path(run_dir) / name).write_text(content)
 
 

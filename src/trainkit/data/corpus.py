@@ -9,18 +9,22 @@ test: data=tokens then makes no test pass, said once); one document with --val-f
 (nothing would be left for val: --val-fraction 0 --test-fraction 0 trains on it without evaluation).
 An empty split is written as an empty .bin: data=tokens reads it as a split the corpus does not have.
 The BPE is trained on the train documents only (no held-out text shapes the vocabulary). Each
-document is followed by the end-of-text token. Tokens are written as they are encoded, a file at a
-time: memory holds one document, not the corpus.
+document is followed by the end-of-text token. `--tokenizer <folder or Hub id>`: a Hugging Face tokenizer instead
+(kind `hf`), its save_pretrained files written beside meta.json (tokenizer.json among them), each document
+`BOS ids EOS` where it has them (trainkit/data/tokenizer.py), meta.json's vocab_size its len(). Tokens are written
+as they are encoded, a file at a time: memory holds one document, not the corpus.
 """
 
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from trainkit.data import tokenizer as hf_tokenizer
 from trainkit.data.tokens import BYTES_EOT, EOT_TEXT, META_FILE, SPLITS, TOKENIZER_FILE, Codec, sha256_file
 from trainkit.errors import ConfigError
 
@@ -82,8 +86,9 @@ def read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def train_bpe(files: list[Path], vocab_size: int) -> str:
-    """A byte-level BPE (ByteLevel pre-tokenizer and decoder, end-of-text id 0) trained on `files`: its JSON."""
+def bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE (ByteLevel pre-tokenizer and decoder; `special_tokens` its first ids) trained on `texts`: a
+    `tokenizers.Tokenizer` (also data.train_tokenizer's, trainkit/data/tokenizer.py)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -91,12 +96,17 @@ def train_bpe(files: list[Path], vocab_size: int) -> str:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOT_TEXT],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator((read(path) for path in files), trainer=trainer)
-    return tokenizer.to_str()
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def train_bpe(files: list[Path], vocab_size: int) -> str:
+    """A byte-level BPE (end-of-text id 0) trained on `files`: its JSON."""
+    return bpe((read(path) for path in files), vocab_size, [EOT_TEXT]).to_str()
 
 
 def prepare(
@@ -119,14 +129,24 @@ def prepare(
     split = split_files(files, val_fraction, val_fraction if test_fraction is None else test_fraction, seed)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
+    kind, hf, extra = tokenizer, None, {}
     if tokenizer == "bpe":
         tokenizer_text = train_bpe(split["train"], vocab_size)
+        (folder / TOKENIZER_FILE).write_text(tokenizer_text)
     elif tokenizer == "bytes":
         tokenizer_text = json.dumps({"kind": "bytes", "vocab_size": BYTES_EOT + 1, "eot": BYTES_EOT}) + "\n"
-    else:
-        raise ConfigError(f"--tokenizer={tokenizer} must be bytes or bpe")
-    (folder / TOKENIZER_FILE).write_text(tokenizer_text)
-    codec = Codec(tokenizer, tokenizer_text if tokenizer == "bpe" else None)
+        (folder / TOKENIZER_FILE).write_text(tokenizer_text)
+    else:  # a Hugging Face tokenizer: its files beside the corpus (data=tokens runs copy them)
+        kind, hf = "hf", hf_tokenizer.load(tokenizer, key="--tokenizer")
+        saved = hf.save_pretrained(folder)
+        extra = {
+            "tokenizer_source": tokenizer,
+            "tokenizer_files": sorted(Path(f).name for f in saved if Path(f).name != TOKENIZER_FILE),
+            "bos": hf_tokenizer.bos_eos(hf)[0],
+            "pad": hf_tokenizer.pad_id(hf),
+        }
+        tokenizer_text = (folder / TOKENIZER_FILE).read_text()
+    codec = Codec(kind, tokenizer_text if kind != "bytes" else None, {"eot": hf.eos_token_id} if hf else None)
     dtype = token_dtype(codec.size)
     sources = hashlib.sha256()  # names relative to the files' common folder: the same corpus wherever it lies
     common = Path(os.path.commonpath([path.parent for path in files]))
@@ -139,7 +159,11 @@ def prepare(
                     raw = path.read_bytes()
                     size += len(raw)
                     sources.update(f"{path.relative_to(common)}\0".encode() + raw + b"\0")
-                    ids = np.array(codec.encode(raw.decode("utf-8", errors="replace")) + [codec.eot], dtype=dtype)
+                    text = raw.decode("utf-8", errors="replace")
+                    if hf is not None:  # BOS ids EOS, each where the tokenizer has it
+                        ids = np.array(hf_tokenizer.documents(hf, [text])[0], dtype=dtype)
+                    else:
+                        ids = np.array(codec.encode(text) + [codec.eot], dtype=dtype)
                     f.write(ids.tobytes())
                     count += len(ids)
                     bar.update(1)
@@ -148,9 +172,10 @@ def prepare(
     meta = {
         "vocab_size": codec.size,
         "dtype": np.dtype(dtype).name,
-        "tokenizer": tokenizer,
+        "tokenizer": kind,
         "tokenizer_file": TOKENIZER_FILE,
-        "eot": codec.eot,
+        "eot": hf.eos_token_id if hf is not None else codec.eot,  # hf: null where it has no EOS
+        **extra,
         "documents": {name: len(split[name]) for name in SPLITS},
         "tokens": tokens,
         "sha256": {

@@ -18,6 +18,13 @@ tile it too.
 The vocabulary is the corpus's characters in sorted order, then PAD. It is written into the run dir
 (`vocab.json`), so predict.py encodes prompts and decodes samples without the corpus; the corpus's
 checksum goes into the checkpoint identity (a resume under a Python whose corpus differs is refused).
+
+With `data.tokenizer` (a folder or a Hub id: trainkit/data/tokenizer.py) the documents are that tokenizer's tokens
+instead: each `BOS ids EOS` where it has them, blocks padded with its pad id (else EOS), `data.vocab_size` its
+len(), val/acc per token and no bits per character (`data.per_token`). `data.train_tokenizer=N` makes the folder
+where it does not exist: a byte-level BPE of N ids trained on the train documents (rank 0 first: heldout.load), with
+<s>, </s> and <pad>. The run dir gets the tokenizer's files (tokenizer/) instead of vocab.json, the checkpoint
+identity its SHA-256.
 """
 
 import functools
@@ -32,6 +39,7 @@ import torch
 from omegaconf import MISSING, OmegaConf
 from torch.utils.data import Dataset
 
+from trainkit.data import tokenizer as hf_tokenizer
 from trainkit.data.addition import IGNORE
 from trainkit.errors import ConfigError
 from trainkit.loading import InMemory
@@ -48,6 +56,8 @@ class Splits:
     _target_: str = MISSING
     block_size: int = MISSING
     random_offsets: bool = MISSING
+    tokenizer: str | None = None
+    train_tokenizer: int | None = None
 
 
 @dataclass
@@ -58,7 +68,10 @@ class Schema(Data):
     vocab_size: int = MISSING
     block_size: int = MISSING
     random_offsets: bool = True  # train blocks start at random positions in their document
+    tokenizer: str | None = None  # a Hugging Face tokenizer's folder or Hub id; null: the characters
+    train_tokenizer: int | None = None  # N: where data.tokenizer's folder is missing, train a byte-level BPE of N ids
     per_character: bool = True  # task=lm: val/acc per character, and val/bpc
+    per_token: bool = False  # task=lm: val/acc per token (data.tokenizer's)
 
 
 @dataclass(frozen=True)
@@ -120,9 +133,15 @@ def vocabulary() -> Vocabulary:
     return Vocabulary("".join(sorted(set("".join(documents().values())))))
 
 
-def vocab_size() -> int:
-    """${pydoc_vocab_size:} (data.vocab_size): the corpus's characters and the padding token."""
-    return vocabulary().size
+def vocab_size(tokenizer: str | None = None, train_tokenizer: int | None = None) -> int:
+    """${pydoc_vocab_size:${data.tokenizer},${data.train_tokenizer}} (data.vocab_size): the corpus's characters and the
+    padding token; with a tokenizer its len(); one still to train (data.train_tokenizer): the size asked for (splits
+    refuses a corpus that gives another)."""
+    if tokenizer is None:
+        return vocabulary().size
+    if train_tokenizer is not None and not Path(str(tokenizer)).is_dir():
+        return train_tokenizer
+    return hf_tokenizer.size(hf_tokenizer.load(tokenizer))
 
 
 def split_names(docs: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
@@ -163,7 +182,9 @@ class Blocks(_Split, InMemory):
     """(inputs, targets) blocks that tile each document of one split, as two (N, block_size) long
     tensors (in memory: TrainLoader indexes them a batch at a time)."""
 
-    def __init__(self, docs: dict[str, str], names: list[str], vocab: Vocabulary, block_size: int):
+    def __init__(
+        self, docs: dict[str, str], names: list[str], vocab: "Vocabulary | hf_tokenizer.Documents", block_size: int
+    ):
         inputs, targets = [], []
         for name in names:
             tokens = torch.tensor(vocab.encode(docs[name]))
@@ -189,7 +210,9 @@ class RandomBlocks(_Split, Dataset):
 
     draws_random = True  # the start: SeededBatches seeds it per sample
 
-    def __init__(self, docs: dict[str, str], names: list[str], vocab: Vocabulary, block_size: int):
+    def __init__(
+        self, docs: dict[str, str], names: list[str], vocab: "Vocabulary | hf_tokenizer.Documents", block_size: int
+    ):
         self.tokens = [torch.tensor(vocab.encode(docs[name])) for name in names]
         self.owner = [d for d, t in enumerate(self.tokens) for _ in range(math.ceil((len(t) - 1) / block_size))]
         self.block_size, self.pad = block_size, vocab.pad
@@ -242,31 +265,79 @@ def is_text_run(run_cfg) -> bool:
     return run_cfg.data.get("splits", {}).get("_target_") == f"{__name__}.splits"
 
 
-def splits(block_size: int = 64, random_offsets: bool = True) -> tuple[Blocks | RandomBlocks, Blocks, Blocks]:
+def splits(
+    block_size: int = 64, random_offsets: bool = True, tokenizer: str | None = None, train_tokenizer: int | None = None
+) -> tuple[Blocks | RandomBlocks, Blocks, Blocks]:
     """The train, val and test blocks of the running Python's corpus (train: RandomBlocks, or tiles
     where not `random_offsets`; val and test: always every character once, in tiles); the train split
     carries the corpus's checksum (`identity`), the vocabulary (`files`) and the splits' document names
-    (`summary`). The vocabulary is the whole corpus's, so it covers the held-out documents too."""
+    (`summary`). The vocabulary is the whole corpus's, so it covers the held-out documents too. With `tokenizer`:
+    its tokens (trained first on the train documents where `train_tokenizer` asks and its folder is missing:
+    heldout.load runs this on rank 0 first, the other ranks then load the folder)."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ConfigError(f"data.block_size={block_size} must be an integer >= 2")
-    docs, vocab = documents(), vocabulary()
+    docs = documents()
     train_names, val_names, test_names = split_names(docs)
+    vocab: Vocabulary | hf_tokenizer.Documents = vocabulary()
+    digest = checksum(docs)
+    identity = {"data.corpus": {"sha256": digest, "source": source()}}  # compared by sha256 alone
+    files, words = {VOCAB_FILE: vocabulary().to_json(source())}, f"vocabulary {vocab.size}"
+    if tokenizer is not None:
+        hf = _tokenizer(tokenizer, train_tokenizer, [docs[name] for name in train_names])
+        vocab, sha = hf_tokenizer.Documents(hf), hf_tokenizer.sha256(hf)
+        identity["data.tokenizer"] = {"sha256": sha, "source": f"data.tokenizer={tokenizer}"}
+        files, words = hf_tokenizer.files(hf), f"tokenizer {tokenizer} ({vocab.size} ids, sha256 {sha[:12]})"
     train = (RandomBlocks if random_offsets else Blocks)(docs, train_names, vocab, block_size)
     val, test = (Blocks(docs, names, vocab, block_size) for names in (val_names, test_names))
-    digest = checksum(docs)
-    train.identity = {"data.corpus": {"sha256": digest, "source": source()}}  # compared by sha256 alone
-    train.files = {VOCAB_FILE: vocab.to_json(source())}
+    train.identity, train.files = identity, files
     train.summary = (
         f"data: {source()} (sha256 {digest[:12]}), {len(docs)} documents, "
-        f"{sum(map(len, docs.values())):,} characters, vocabulary {vocab.size}; train {len(train_names)} documents "
+        f"{sum(map(len, docs.values())):,} characters, {words}; train {len(train_names)} documents "
         f"({train.characters:,} characters), val {len(val_names)} ({val.characters:,}): {', '.join(val_names)}; "
         f"test {len(test_names)} ({test.characters:,}): {', '.join(test_names)}"
     )
     return train, val, test
 
 
-# ${pydoc_vocab_size:} (conf/data/pydoc_text.yaml): the running Python's corpus's characters and the padding token.
+def _tokenizer(name: str, train_tokenizer: int | None, train_texts: list[str]):
+    """data.tokenizer's tokenizer; where data.train_tokenizer asks and its folder is missing, trained on the train
+    documents first (refused where the corpus gives another size than asked: data.vocab_size said that size)."""
+    if train_tokenizer is not None and not Path(name).is_dir():
+        return hf_tokenizer.train(train_texts, train_tokenizer, Path(name))
+    return hf_tokenizer.load(name)
+
+
+# ${pydoc_vocab_size:${data.tokenizer},${data.train_tokenizer}} (conf/data/pydoc_text.yaml): the running Python's
+# corpus's characters and the padding token, or the tokenizer's ids. ${pydoc_vocab_size:} (a run's config of before
+# data.tokenizer) is the characters'.
 OmegaConf.register_new_resolver("pydoc_vocab_size", vocab_size, replace=True)
+# data.per_character, data.per_token: characters without a tokenizer, tokens with one
+OmegaConf.register_new_resolver("pydoc_per_character", lambda tokenizer: tokenizer is None, replace=True)
+OmegaConf.register_new_resolver("pydoc_per_token", lambda tokenizer: tokenizer is not None, replace=True)
+
+
+def check(cfg) -> None:
+    """data.tokenizer and data.train_tokenizer: a tokenizer that loads (a folder, or a Hub id in the cache), or one
+    to train into a missing folder; a folder already there of another size than train_tokenizer asks is refused
+    (a stale tokenizer would train silently); its tokens are no characters (no val/bpc)."""
+    name, trained = cfg.data.get("tokenizer"), cfg.data.get("train_tokenizer")
+    if name is None:
+        if trained is not None:
+            raise ConfigError(f"data.train_tokenizer={trained} needs data.tokenizer=<folder>: where it is saved")
+        return
+    if cfg.data.get("per_character"):
+        raise ConfigError(f"data.per_character=true: data.tokenizer={name}'s tokens are no characters (data.per_token)")
+    if trained is None or Path(str(name)).is_dir():
+        held = hf_tokenizer.size(hf_tokenizer.load(name))
+        if trained is not None and held != trained:
+            raise ConfigError(
+                f"data.tokenizer={name} holds a tokenizer of {held} ids, data.train_tokenizer={trained}: remove the "
+                "folder to train it again, or set data.train_tokenizer=null to use it"
+            )
+    elif trained < hf_tokenizer.MIN_TRAINED:
+        raise ConfigError(
+            f"data.train_tokenizer={trained} must be >= {hf_tokenizer.MIN_TRAINED} (256 bytes, 3 special tokens)"
+        )
 
 
 def check_run(run_dir: Path, run_cfg) -> None:
@@ -275,3 +346,8 @@ def check_run(run_dir: Path, run_cfg) -> None:
     vocab = Vocabulary.load(run_dir)
     if vocab is not None and vocab != vocabulary():
         raise ConfigError(f"run_dir={run_dir}: its {VOCAB_FILE} is not this Python's corpus's vocabulary")
+    ran = hf_tokenizer.Prompts.load(run_dir)  # a run through a tokenizer: data.tokenizer must still be that one
+    name = run_cfg.data.get("tokenizer")
+    here = hf_tokenizer.load(name) if ran is not None and name is not None and Path(str(name)).is_dir() else None
+    if here is not None and ran is not None and hf_tokenizer.sha256(here) != hf_tokenizer.sha256(ran.tokenizer):
+        raise ConfigError(f"run_dir={run_dir}: data.tokenizer={name} is not the tokenizer it trained with")

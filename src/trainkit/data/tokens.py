@@ -14,9 +14,11 @@ resume. An epoch has (tokens - 1) // block_size samples (as many blocks as tile 
 then sees about every token once). val and test tile their split: each token but the first is a
 target exactly once, the last tile padded (input end-of-text, target IGNORE: no loss).
 
-The tokenizer: `bytes` (UTF-8 bytes, ids 0-255, end-of-text 256) or a byte-level BPE trained with HF
-`tokenizers` (end-of-text id 0). meta.json's sha256 of train.bin and of tokenizer.json go into the
-checkpoint identity: a resume on another corpus or another tokenizer file is refused (BPE training is
+The tokenizer: `bytes` (UTF-8 bytes, ids 0-255, end-of-text 256), a byte-level BPE trained with HF
+`tokenizers` (end-of-text id 0), or `hf`: a Hugging Face tokenizer (prepare_text.py --tokenizer <folder or Hub id>;
+its save_pretrained files beside meta.json, each document `BOS ids EOS` where it has them: trainkit/data/tokenizer.py;
+meta.json's `eot` its EOS, null without one, `bos` its BOS). meta.json's sha256 of train.bin and of tokenizer.json
+go into the checkpoint identity: a resume on another corpus or another tokenizer file is refused (BPE training is
 not guaranteed identical across runs: the saved file's hash is the identity, not its settings). The
 run dir gets copies of meta.json and tokenizer.json, so predict.py samples without the corpus.
 """
@@ -72,24 +74,30 @@ def sha256_file(path: Path) -> str:
 
 
 class Codec:
-    """A corpus's tokenizer: encode / decode text, its vocabulary size and end-of-text id. Also what
-    trainkit/tasks/lm_predict.py asks of a vocabulary (`pad`: the first id never drawn; `unknown`: nothing, both
-    tokenizers encode any text)."""
+    """A corpus's tokenizer: encode / decode text, its vocabulary size and end-of-text id (`eot`: also the tiles'
+    padding input; a Hugging Face tokenizer without EOS: its pad id, `pad`). Also what trainkit/tasks/lm_predict.py
+    asks of a vocabulary (`pad`: the first id never drawn; `unknown`: nothing, the tokenizers encode any text). `bos`
+    (kind hf): the id a prompt starts with, as each document does."""
 
-    def __init__(self, kind: str, tokenizer_json: str | None = None):
-        self.kind = kind
+    KINDS = ("bytes", "bpe", "hf")
+
+    def __init__(self, kind: str, tokenizer_json: str | None = None, meta: dict | None = None):
+        self.kind, self.bos = kind, None
         if kind == "bytes":
             self.size, self.eot, self._bpe = BYTES_EOT + 1, BYTES_EOT, None
-        elif kind == "bpe":
+        elif kind in ("bpe", "hf"):
             from tokenizers import Tokenizer
 
             self._bpe = Tokenizer.from_str(tokenizer_json or "")
-            eot = self._bpe.token_to_id(EOT_TEXT)
+            eot = self._bpe.token_to_id(EOT_TEXT) if kind == "bpe" else (meta or {}).get("eot")
+            if kind == "hf":
+                eot = (meta or {}).get("pad", 0) if eot is None else eot
+                self.bos = (meta or {}).get("bos")
             if eot is None:
                 raise ConfigError(f"{TOKENIZER_FILE} has no {EOT_TEXT} token: prepare it with scripts/prepare_text.py")
             self.size, self.eot = self._bpe.get_vocab_size(), eot
         else:
-            raise ConfigError(f"tokenizer={kind} must be bytes or bpe")
+            raise ConfigError(f"tokenizer={kind} must be one of: {', '.join(self.KINDS)}")
 
     @property
     def pad(self) -> int:
@@ -98,7 +106,8 @@ class Codec:
     def encode(self, text: str) -> list[int]:
         if self._bpe is None:
             return list(text.encode("utf-8"))
-        return self._bpe.encode(text).ids
+        first = [] if self.bos is None else [self.bos]
+        return first + self._bpe.encode(text, add_special_tokens=False).ids
 
     def decode(self, tokens) -> str:
         if self._bpe is None:
@@ -116,7 +125,7 @@ class Codec:
             return None
         meta = json.loads(meta_path.read_text())
         tokenizer = Path(folder) / TOKENIZER_FILE
-        return cls(meta["tokenizer"], tokenizer.read_text() if meta["tokenizer"] == "bpe" else None)
+        return cls(meta["tokenizer"], tokenizer.read_text() if meta["tokenizer"] != "bytes" else None, meta)
 
 
 def is_tokens_run(run_cfg) -> bool:
@@ -281,7 +290,7 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
     tokenizer_sha = hashlib.sha256(tokenizer_text.encode()).hexdigest()
     if tokenizer_sha != meta["sha256"]["tokenizer"]:
         raise ConfigError(f"data.root={root}: {TOKENIZER_FILE} is not the one meta.json names (its sha256 differs)")
-    codec = Codec(meta["tokenizer"], tokenizer_text if meta["tokenizer"] == "bpe" else None)
+    codec = Codec(meta["tokenizer"], tokenizer_text if meta["tokenizer"] != "bytes" else None, meta)
     if codec.size != meta["vocab_size"]:
         raise ConfigError(
             f"data.root={root}: meta.json says vocab_size={meta['vocab_size']}, {TOKENIZER_FILE} has {codec.size}"
@@ -303,6 +312,8 @@ def splits(root: str, block_size: int = 256, random_offsets: bool = True) -> tup
         "data.tokenizer": {"sha256": tokenizer_sha, "source": f"{TOKENIZER_FILE} of {folder.resolve()}"},
     }
     train.files = {META_FILE: (folder / META_FILE).read_text(), TOKENIZER_FILE: tokenizer_text}
+    if meta["tokenizer"] == "hf":  # the Hugging Face tokenizer whole (its config: special tokens), as data=pydoc_text's
+        train.files |= {f"tokenizer/{name}": (folder / name).read_text() for name in meta.get("tokenizer_files", [])}
     counts = ", ".join(f"{s} {meta['documents'][s]} documents ({meta['tokens'][s]:,} tokens)" for s in SPLITS)
     train.summary = f"data: {source}, vocabulary {codec.size}, {meta['dtype']}; {counts}"
     if len(val) == 0:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainkit import dist
 from trainkit.data.addition import END, IGNORE
 from trainkit.data.pydoc_text import VOCAB_FILE, Vocabulary, is_text_run
+from trainkit.data.tokenizer import Prompts
 from trainkit.data.tokens import META_FILE, Codec, is_tokens_run
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -34,7 +35,7 @@ SEPARATOR = "\n---------------\n"  # after each sample in samples.txt (nanoGPT's
 def predict_job(cfg: DictConfig, run_cfg: DictConfig, out_dir: Path) -> float | None:
     """Check the settings (before the process group: every rank fails alike), join it, decode or sample."""
     run_dir = Path(cfg.run_dir)
-    vocab = Vocabulary.load(run_dir) or Codec.load(run_dir)  # a text run's, else None
+    vocab = Vocabulary.load(run_dir) or Codec.load(run_dir) or Prompts.load(run_dir)  # a text run's, else None
     if vocab is not None:
         check(cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.num_samples, vocab)
     elif is_text_run(run_cfg):  # else it would be taken for an addition run and fail at the end
@@ -91,7 +92,9 @@ def sequence_results(dataset, generated: torch.Tensor) -> tuple[dict, list[list]
     return metrics, rows
 
 
-def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, d: Dist, out_dir: Path) -> None:
+def sample_run(
+    cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec | Prompts, d: Dist, out_dir: Path
+) -> None:
     """Text samples from a text run's model: samples.txt and stdout (rank 0)."""
     run_cfg.data.vocab_size = vocab.size  # the run's vocabulary, not this Python's corpus (${pydoc_vocab_size:})
     model, weights = run_model(cfg, run_cfg)
@@ -108,7 +111,7 @@ def sample_run(cfg: DictConfig, run_cfg: DictConfig, vocab: Vocabulary | Codec, 
     d.print0(f"done: wrote {out_dir / 'samples.txt'}")
 
 
-def check(prompt, max_new_tokens, temperature, top_k, num_samples, vocab: Vocabulary | Codec) -> None:
+def check(prompt, max_new_tokens, temperature, top_k, num_samples, vocab: Vocabulary | Codec | Prompts) -> None:
     """One ConfigError naming the first bad setting."""
     if not isinstance(prompt, str) or not prompt:
         quote = f" (Hydra reads {prompt} as a number: quote it, \"prompt='{prompt}'\")" if prompt is not None else ""
@@ -131,7 +134,7 @@ def sample(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
-    vocab: Vocabulary | Codec,
+    vocab: Vocabulary | Codec | Prompts,
     generator: torch.Generator,
     device: torch.device,
     autocast=contextlib.nullcontext,
@@ -159,7 +162,9 @@ def sample(
     return tokens[0, len(prompt) :].tolist()
 
 
-def samples(model, prompt: str, cfg, vocab: Vocabulary | Codec, d: Dist, autocast=contextlib.nullcontext) -> list[str]:
+def samples(
+    model, prompt: str, cfg, vocab: Vocabulary | Codec | Prompts, d: Dist, autocast=contextlib.nullcontext
+) -> list[str]:
     """cfg.num_samples texts (prompt + continuation), in sample order, on every rank: each rank draws
     a contiguous share, each sample with its own generator from (cfg.seed, sample index)."""
     start, end = shard_bounds(cfg.num_samples, d.world_size, d.rank)

@@ -118,8 +118,12 @@ def _where() -> str:
     """The innermost frame in src/ (the engine, a room): the line to change; else the innermost outside torch."""
     frames = [f for f in traceback.extract_stack() if not f.filename.startswith(str(Path(__file__)))]
     ours = [f for f in frames if f.filename.startswith(SRC)]
-    frame = (ours or [f for f in frames if "/torch/" not in f.filename] or frames)[-1]
-    return f"{Path(frame.filename).name}:{frame.lineno}"
+    outside = [f for f in frames if "/torch/" not in f.filename]
+    frame = (ours or outside or frames)[-1]
+    where = f"{Path(frame.filename).name}:{frame.lineno}"
+    if ours and outside and "/transformers/" in outside[-1].filename:  # inside a transformers model: its line too
+        where += f" (transformers/{Path(outside[-1].filename).name}:{outside[-1].lineno})"
+    return where
 
 
 def _wrap(out):
@@ -253,8 +257,19 @@ def on_another_device() -> Iterator[Syncs]:
     """Within: DEVICE works as a GPU would (`.to(DEVICE)`, `torch.zeros(..., device=DEVICE)`); yields the Syncs."""
     global _syncs
     _syncs = syncs = Syncs()
+    made = torch.Generator
+
+    class Generator(made):  # type: ignore[misc,valid-type]
+        """A generator on DEVICE (predict.py's sampling: torch.Generator(d.device)) draws on the host, where its
+        values are; CUDA has generators of its own, meta none ("META device type not an accelerator")."""
+
+        def __new__(cls, device="cpu"):
+            return made(CPU if _here(device) else device)
+
+    torch.Generator = Generator  # type: ignore[misc]
     try:
         with _Functions(), _Dispatch():
             yield syncs
     finally:
         _syncs = None
+        torch.Generator = made  # type: ignore[misc]

@@ -75,8 +75,11 @@ def cifar_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def tokens_data(request, tmp_path_factory, monkeypatch):
-    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there."""
+    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there. Every
+    other experiment's $TRAINKIT_DATA is a temp dir too: what one prepares there (hf_lm_pydoc's tokenizer) is never
+    written into the checkout's data/."""
     if "cpython_code_gpt" not in request.node.name:
+        monkeypatch.setenv("TRAINKIT_DATA", str(tmp_path_factory.getbasetemp() / "trainkit_data"))
         return
     from test_tokens import write_sources
 

@@ -408,11 +408,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def check(cfg) -> None:
-    """Before the run dir: the pretrained model and the tokenizer are there (a Hub id offline and not cached: one
-    line), and the data's token ids fit the model's embedding."""
+    """Before the run dir: the pretrained model is there (a Hub id offline and not cached: one line), and the data's
+    token ids fit the model's embedding. The tokenizer is the data room's to check (data.train_tokenizer may make it
+    when the data is prepared)."""
     node = cfg.model
-    # the tokenizer is the data room's to check (data.train_tokenizer may make it when the data is prepared)
-    conf = model_config(*(node.get(k) for k in ("pretrained", "config", "num_labels")), None, node.get("vocab_size"))
+    conf = model_config(node.get("pretrained"), node.get("config"), node.get("num_labels"), None, node.get("vocab_size"))
     data_vocab = cfg.data.get("vocab_size")
     model_vocab = getattr(conf, "vocab_size", None)
     if data_vocab is not None and model_vocab is not None and int(data_vocab) > int(model_vocab):

@@ -257,3 +257,19 @@ def test_gpu_check_without_a_gpu_exits_2_with_one_line_in_both_sizes_and_its_hel
     wrong = gpu_check("--fast")
     assert wrong.returncode == 2 and "unknown argument --fast" in wrong.stderr
 
+
+def test_bench_hf_times_trainkit_trainer_and_a_plain_loop_that_train_alike(monkeypatch, tmp_path):
+    """scripts/bench_hf.py at its smallest (a 1-layer Llama of width 32, 8 steps of 2 blocks): trainkit's loop,
+    transformers' Trainer (released one step at a time, handing back from its on_step_end) and the plain loop run
+    interleaved, both ratios are printed, and the three end on trainkit's weights: the same initial weights, batches
+    in the same order, optimizer groups, clipping and loss, or the figures would compare other work (one AdamW step
+    on another batch moves the weights by ~lr = 3e-3; here they are equal bit for bit)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is made from a config: nothing to fetch
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    small = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=1"]
+    stdout = run_script("scripts/bench_hf.py", "--steps", "8", "--every", "1", *small, "data.batch_size=2")
+    for name in ("Trainer", "plain"):
+        assert stdout.count(f"ratio trainkit / {name}:") == 1, stdout
+        difference = float(stdout.split(f"from trainkit's after 8 steps, {name}: ")[1].split()[0])
+        assert difference < 1e-6, stdout

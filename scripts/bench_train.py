@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -220,22 +220,23 @@ def advance(loop: Iterator[int], count: int) -> None:
 
 
 class Guest:
-    """trainkit's train() on another config (--paths: data.on_device=false) as a step generator: a thread that runs
-    one optimizer step each time it is advanced, the driver waiting meanwhile (one runs at a time: process CPU time
-    is then the running one's). Its steps end at its zero_grad (interleaved's hook hands control back)."""
+    """A loop that owns its loop, as a step generator: `run()` (--paths: trainkit's train() on another config;
+    bench_hf.py: transformers' Trainer) in a thread that runs one optimizer step each time it is advanced, the driver
+    waiting meanwhile (one runs at a time: process CPU time is then the running one's). Its steps end where it calls
+    `stepped()`: at its zero_grad (interleaved's hook hands control back), or from the loop's own hook."""
 
     guests: dict[threading.Thread, "Guest"] = {}
 
-    def __init__(self, cfg, d: dist.Dist, steps: int):
+    def __init__(self, run: Callable[[], object]):
         self.go, self.done, self.finished = threading.Semaphore(0), threading.Semaphore(0), False
-        self.thread = threading.Thread(target=self._run, args=(cfg, d, steps), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(run,), daemon=True)
         Guest.guests[self.thread] = self
         self.thread.start()
 
-    def _run(self, cfg, d: dist.Dist, steps: int) -> None:
+    def _run(self, run: Callable[[], object]) -> None:
         self.go.acquire()
         try:
-            trainkit_loop(cfg, d, steps)
+            run()
         finally:
             self.finished = True
             self.done.release()
@@ -263,18 +264,23 @@ class Guest:
 
 def trainkit_loader_steps(cfg, d: dist.Dist, steps: int) -> Guest:
     """--paths: trainkit through its DataLoader (data.on_device=false), stepped beside the driver."""
-    return Guest(OmegaConf.merge(cfg, {"data": {"on_device": False}}), d, steps)
+    return Guest(lambda: trainkit_loop(OmegaConf.merge(cfg, {"data": {"on_device": False}}), d, steps))
 
 
 PLAIN = {"tensor": tensor_steps, "dataloader": plain_steps, "trainkit loader": trainkit_loader_steps}
 
 
-def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> dict[str, list[float]]:
+def interleaved(
+    cfg, d: dist.Dist, steps: int, every: int, names: list[str], rotate: bool = False
+) -> dict[str, list[float]]:
     """Each loop's seconds per segment of `every` optimizer steps, measured side by side in one run: train() runs
     its `steps` steps and, after each `every` of them (at its optimizer's zero_grad), each plain loop in `names`
     runs its next `every` steps, the same steps (samples, schedule) as trainkit's. Segments a few milliseconds
-    apart see the same machine, which blocks of whole runs do not. The first quarter is run untimed by all."""
+    apart see the same machine, which blocks of whole runs do not. The first quarter is run untimed by all.
+    rotate: the plain loops' order turns by one each segment, so that with two of them each of the three loops
+    follows each other one as often (a loop run after another thread's ran its first steps slower: bench_hf.py)."""
     plain = {name: PLAIN[name](cfg, d, steps) for name in names}
+    loops = list(plain.items())
     seconds: dict[str, list[float]] = {name: [] for name in ["trainkit", *plain]}
     warm = max(every, steps // 4 // every * every)
     done, inside, last = 0, False, 0.0
@@ -297,7 +303,8 @@ def interleaved(cfg, d: dist.Dist, steps: int, every: int, names: list[str]) -> 
             seconds["trainkit"].append(now - last)
         elif WAITED is not None:  # the data waits of the timed segments only
             WAITED.clear()
-        for name, loop in plain.items():
+        turn = done // every % len(loops) if rotate else 0
+        for name, loop in loops[turn:] + loops[:turn]:
             started = clock()
             advance(loop, warm if done == warm else every)
             synchronize(d)

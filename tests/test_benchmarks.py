@@ -133,6 +133,33 @@ def test_interleaved_segments_cover_the_same_steps_of_each_loop():
     assert whole == 1.5 and parts == [2.0] * 4 + [1.0] * 4
 
 
+def test_interleaved_rotate_lets_each_plain_loop_go_first_in_turn():
+    """rotate=True (bench_hf.py): the plain loops' order turns by one each segment, so that with two of them each of
+    the three loops follows each other one as often (a loop run after another thread's ran slower); each still runs
+    every step once."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_train
+
+    steps, every, ran = 40, 5, []
+    plain = bench_train.PLAIN["tensor"]
+
+    def named(name):
+        def loop(cfg, d, total):
+            for samples in plain(cfg, d, total):
+                ran.append(name)
+                yield samples
+
+        return loop
+
+    cfg = bench_train.composed(steps, ["data.batch_size=8", "trainer.test=false"])
+    with mock.patch.dict(bench_train.PLAIN, {"a": named("a"), "b": named("b")}):
+        bench_train.interleaved(cfg, CPU, steps, every, ["a", "b"], rotate=True)
+    warm = steps // 4 // every * every
+    firsts = ran[2 * warm :: 2 * every]  # the loop that went first in each timed segment (after both warm-ups)
+    assert firsts == ["b", "a"] * (len(firsts) // 2) and len(firsts) == (steps - warm) // every
+    assert ran.count("a") == ran.count("b") == steps
+
+
 def test_bench_train_paths_row_each_data_path_with_its_data_wait():
     """--paths: trainkit with its split on the device (the driver), trainkit through its DataLoader (a second train()
     stepped in a thread, one step per advance), the tensor-slicing and the DataLoader loop: a row each, its step's
@@ -229,3 +256,20 @@ def test_gpu_check_without_a_gpu_exits_2_with_one_line_in_both_sizes_and_its_hel
     assert "the full check: about 7 minutes" in proc.stdout and "exit status" in proc.stdout
     wrong = gpu_check("--fast")
     assert wrong.returncode == 2 and "unknown argument --fast" in wrong.stderr
+
+
+def test_bench_hf_times_trainkit_trainer_and_a_plain_loop_that_train_alike(monkeypatch, tmp_path):
+    """scripts/bench_hf.py at its smallest (a 1-layer Llama of width 32, 8 steps of 2 blocks): trainkit's loop,
+    transformers' Trainer (released one step at a time, handing back from its on_step_end) and the plain loop run
+    interleaved, both ratios are printed, and the three end on trainkit's weights: the same initial weights, batches
+    in the same order, optimizer groups, clipping and loss, or the figures would compare other work (one AdamW step
+    on another batch moves the weights by ~lr = 3e-3; here they are equal bit for bit)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is made from a config: nothing to fetch
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    small = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=1"]
+    stdout = run_script("scripts/bench_hf.py", "--steps", "8", "--every", "1", *small, "data.batch_size=2")
+    for name in ("Trainer", "plain"):
+        assert stdout.count(f"ratio trainkit / {name}:") == 1, stdout
+        difference = float(stdout.split(f"from trainkit's after 8 steps, {name}: ")[1].split()[0])
+        assert difference < 1e-6, stdout

@@ -412,7 +412,9 @@ def check(cfg) -> None:
     token ids fit the model's embedding. The tokenizer is the data room's to check (data.train_tokenizer may make it
     when the data is prepared)."""
     node = cfg.model
-    conf = model_config(node.get("pretrained"), node.get("config"), node.get("num_labels"), None, node.get("vocab_size"))
+    conf = model_config(
+        node.get("pretrained"), node.get("config"), node.get("num_labels"), vocab_size=node.get("vocab_size")
+    )
     data_vocab = cfg.data.get("vocab_size")
     model_vocab = getattr(conf, "vocab_size", None)
     if data_vocab is not None and model_vocab is not None and int(data_vocab) > int(model_vocab):

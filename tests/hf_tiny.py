@@ -1,7 +1,8 @@
 """Tiny Hugging Face things for tests, made locally in a few milliseconds (no network): a byte-level BPE tokenizer,
-labelled text sets in every file format data=hf reads, a tiny image set, and the environment of an offline machine.
+a tiny Llama, labelled text sets in every file format data=hf reads, a tiny image set, and the environment of an
+offline machine.
 
-    from hf_tiny import hf_offline, tiny_tokenizer, text_classification_files
+    from hf_tiny import hf_offline, tiny_llama, tiny_tokenizer, text_classification_files
 """
 
 import json
@@ -19,6 +20,30 @@ def corpus(characters: int = 6000) -> str:
     from pydoc_data.topics import topics
 
     return "".join(topics[name] for name in ("for", "while", "function", "try", "raise", "lambda"))[:characters]
+
+
+LLAMA = dict(  # 2 layers of width 32: tests/test_hf.py's and test_hf_export.py's model
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,  # stored once by save_pretrained: the tie must survive the meta device and the export
+)
+
+
+def tiny_llama(folder: Path, vocab_size: int, seed: int = 123) -> Path:
+    """A tiny Llama (LLAMA) of `vocab_size` ids, its weights drawn from `seed`, saved with save_pretrained (config.json,
+    model.safetensors) in `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=vocab_size, **LLAMA)).save_pretrained(
+        folder
+    )
+    return Path(folder)
 
 
 def tiny_tokenizer(folder: Path, vocab_size: int = 300) -> Path:

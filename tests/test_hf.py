@@ -11,20 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hf_tiny
 from helpers import max_diff, rows, run_in_process, weights
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(
-    model_type="llama",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,  # the tie survives the meta device (trainkit.models.hf.HFModel.materialize)
-)
 # data=addition: variable-length a+b=c problems, so micro-batches hold unequal numbers of loss-bearing tokens.
 ADDITION = ["data=addition", "data.num_train=96", "data.num_val=32", "data.zero_pad=false", "logger=none"]
 STEPS = ["optim=sgd", "optim.lr=0.5", "sched=constant", "trainer.max_steps=4", "trainer.eval_every=4"]
@@ -39,17 +30,11 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
-    """A tiny Llama with addition's vocabulary, saved as a Hugging Face dir (config.json, model.safetensors)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """A tiny Llama (hf_tiny.LLAMA: 2 layers, width 32, tied embeddings) with addition's vocabulary, saved as a Hugging
+    Face dir (config.json, model.safetensors)."""
     from trainkit.data.addition import VOCAB
 
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(123)
-    keys = dict(LLAMA)
-    config = AutoConfig.for_model(keys.pop("model_type"), vocab_size=len(VOCAB), **keys)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
+    return hf_tiny.tiny_llama(tmp_path_factory.mktemp("tiny_llama"), len(VOCAB))
 
 
 def pretrained(directory: Path) -> list[str]:

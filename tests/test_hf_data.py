@@ -7,6 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
+
+from helpers import cli_in_process, run_in_process
 from hf_tiny import (
     CLASSES,
     hf_offline,
@@ -15,9 +18,6 @@ from hf_tiny import (
     text_rows,
     tiny_tokenizer,
 )
-from omegaconf import OmegaConf
-
-from helpers import cli_in_process, run_in_process
 from trainkit.batch import collate
 from trainkit.data import hf, pydoc_text, tokenizer
 from trainkit.data.addition import IGNORE

@@ -15,19 +15,10 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import cli_in_process, run_in_process
+from hf_tiny import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA = dict(
-    model_type="llama",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,  # save_pretrained stores the head once: the export must keep the tie
-)
 RUN = ["data=addition", "data.num_train=32", "data.num_val=16", "data.batch_size=8", "logger=none"]
 RUN += ["optim=sgd", "optim.lr=0.5", "trainer.max_steps=2", "trainer.eval_every=100", "checkpoint.monitor=null"]
 LORA = ["+model.adapter={r:4,alpha:8,target_modules:[q_proj,v_proj]}"]
@@ -53,15 +44,10 @@ def hub_cache(tmp_path_factory):
 def runs(hub_cache, tmp_path_factory) -> dict[str, Path]:
     """The tiny Llama's dir ("base", also in the cache as HUB_ID) and its finished runs: plain (model.pretrained the
     dir), LoRA (model.pretrained the Hub id) and a model=gpt run (not model=hf)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from trainkit.data.addition import VOCAB
 
     root = tmp_path_factory.mktemp("hf_export")
-    torch.manual_seed(123)
-    keys = dict(LLAMA)
-    config = AutoConfig.for_model(keys.pop("model_type"), vocab_size=len(VOCAB), **keys)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "base")
+    tiny_llama(root / "base", len(VOCAB))  # tied embeddings: save_pretrained stores the head once, the export keeps it
     repo = hub_cache / f"models--{HUB_ID.replace('/', '--')}"
     shutil.copytree(root / "base", repo / "snapshots" / ("0" * 40))  # the cache's layout: a snapshot and its ref
     (repo / "refs").mkdir()

@@ -28,6 +28,7 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
 
+from trainkit.data import tokenizer as hf_tokenizer
 from trainkit.errors import ConfigError
 from trainkit.materialize import deferring
 from trainkit.recompute import checkpoint_forward, outermost
@@ -133,22 +134,13 @@ def model_config(
             raise ConfigError(f"model.config.model_type={model_type}: {_first_line(error)}") from None
     conf.use_cache = False  # training and teacher-forced evaluation: no key/value cache to keep
     if tokenizer is not None:
-        tok = load_tokenizer(tokenizer)
+        tok = hf_tokenizer.load(tokenizer, key="model.tokenizer")  # the data room's loader (its one-line errors)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if getattr(conf, name, None) is None and getattr(tok, name, None) is not None:
                 setattr(conf, name, getattr(tok, name))
         if conf.pad_token_id is None:
             conf.pad_token_id = tok.eos_token_id
     return conf
-
-
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(local_dir(name))
-    except OSError as error:
-        raise ConfigError(f"tokenizer {name}: {_first_line(error)}") from None
 
 
 def trainkit_run(name: str):

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from trainkit.data import tokenizer as hf_tokenizer
 from trainkit.errors import ConfigError
-from trainkit.models.hf import KINDS, core, file_name, load_tokenizer, local_dir
+from trainkit.models.hf import KINDS, core, file_name, local_dir
 
 
 def check_export(run_cfg: DictConfig, merge: bool) -> None:
@@ -61,7 +62,7 @@ def export(model: Any, run_cfg: DictConfig, directory: Path, merge: bool, out: s
             how = f"{auto}.from_pretrained({out!r})"
         tokenizer = node.get("tokenizer")
         if tokenizer is not None:
-            load_tokenizer(str(tokenizer)).save_pretrained(str(directory))
+            hf_tokenizer.load(str(tokenizer), key="model.tokenizer").save_pretrained(str(directory))
     files = ", ".join(sorted(p.name for p in directory.iterdir()))
     said = f"the tokenizer {tokenizer}" if tokenizer is not None else "no tokenizer (the run's data.tokenizer is unset)"
     return f"{what} ({files}) to {out}{base}; {said}; loads with {how}"

@@ -147,6 +147,24 @@ def test_a_sequence_classifier_on_two_ranks_trains_as_one_process(tiny_llama, tm
     assert head.shape == (3, 32)
 
 
+def test_a_lora_run_resumes_bit_for_bit_and_a_run_builds_on_it(tiny_llama, tmp_path):
+    """The adapter's state (its weights, AdamW's moments of them) is in the checkpoint: a resume from step 2 ends on
+    the uninterrupted run's weights; model.init.from takes the LoRA run whole (base and adapter) into a new run."""
+    model = [*pretrained(tiny_llama), *LORA]
+    adamw = ["optim=adamw", "optim.lr=0.01"]  # its moments in the checkpoint too
+    run_in_process(tmp_path / "straight", *model, *ADDITION, *STEPS, *ONE, *adamw)
+    step_2 = tmp_path / "straight" / "checkpoints" / "step_00000002.pt"
+    run_in_process(tmp_path / "resumed", *model, *ADDITION, *STEPS, *ONE, *adamw, f"checkpoint.resume={step_2}")
+    straight, resumed = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    out = run_in_process(
+        tmp_path / "child", *model, *ADDITION, *STEPS, *ONE, f"+model.init.from={tmp_path / 'straight'}",
+        "trainer.max_steps=1", "optim.lr=0.0",  # one step at lr 0: the child's weights are what it started from
+    )  # fmt: skip
+    child = weights(tmp_path / "child")
+    assert "model.init" in out and all(torch.equal(child[k], straight[k]) for k in straight)
+
+
 def test_our_token_mean_equals_hf_labels_loss_at_k1_and_not_theirs_at_k4(tiny_llama):
     """At K=1 trainkit's loss (sum over loss-bearing tokens / their count) is transformers' `labels=` loss. Over
     K=4 micro-batches with unequal token counts, transformers' mean per micro-batch averaged over K (what a loop

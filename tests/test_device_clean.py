@@ -26,6 +26,7 @@ from helpers import ROOT, run_in_process, weights
 from test_experiments import EXPERIMENTS, compose_experiment, parent_overrides
 from trainkit import dist
 from trainkit.accumulate import EpochLayout
+from trainkit.data.pydoc_text import is_text_run
 from trainkit.dist import Dist
 from trainkit.loading import InMemory, TrainLoader
 
@@ -39,7 +40,13 @@ SMALL = {  # an experiment's data made small: seconds on the emulated device (ev
     "digits_views": ["data.splits.val_fraction=0.05", "data.splits.test_fraction=0.05", "data.batch_size=16"],
     "digits": ["data.splits.val_fraction=0.05", "data.splits.test_fraction=0.05"],
     "diabetes": [],
-    "pydoc_text": ["data.block_size=16", "data.batch_size=4", "debug=limit", "debug.limit.val=0.02"],
+    "pydoc_text": [
+        "data.block_size=16",
+        "data.batch_size=4",
+        "debug=limit",
+        "debug.limit.val=0.02",
+        "debug.limit.test=0.02",
+    ],
 }
 
 
@@ -141,7 +148,9 @@ def test_every_task_runs_its_every_path_on_another_device(task, device, quiet_st
         marks.append(syncs.begin_step)
         out = run_in_process(tmp_path / "run", *overrides)
         marks.clear()
-        run_in_process(tmp_path / "predict", f"run_dir={tmp_path / 'run'}", script="predict")
+        text = is_text_run(OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml"))  # sampled: a forward a token
+        sampled = ["max_new_tokens=20"] if text else []
+        run_in_process(tmp_path / "predict", f"run_dir={tmp_path / 'run'}", *sampled, script="predict")
     assert f" on {DEVICE} |" in out and "done: 3 steps" in out, out
     assert "data path: on the device" in out, out  # every shipped data set has a tensor form (data.on_device=auto)
     assert (tmp_path / "run" / "model_best.pt").is_file() and (tmp_path / "run" / "model_ema.pt").is_file()

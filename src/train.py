@@ -287,8 +287,9 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
         config.check(cfg)
         if launch.wanted(cfg):  # parallel.nproc_per_node=N, no launcher: N workers run this job, as torchrun's would
             return launch.start(cfg, run_dir, job, run)
+        # Refused before the group: a rank that refused inside it left its peer's connect with "closed by peer"
+        mode = resolve_mode(cfg.parallel.mode, dist.env_world_size(), dist.launched_distributed())
         d = dist.init(cfg.parallel.backend, cfg.trainer.device, cfg.parallel.timeout_s, job)
-        mode = resolve_mode(cfg.parallel.mode, d.world_size, dist.launched_distributed())
         objective = train(cfg, d, mode, run_dir)  # the best monitored value (else the last val/acc): a sweeper's
         dist.teardown(finished=True)  # before the interpreter exits, see teardown
         return objective

@@ -8,6 +8,7 @@ and train.run); a few cases run the real command end to end for the exit status 
 import os
 import re
 import shlex
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -218,6 +219,16 @@ def test_explicit_single_under_torchrun_is_refused_in_one_line_from_rank_0(tmp_p
     assert codes == [2, 2]
     err = capfd.readouterr().err
     assert err.count("error: parallel=single with world size 2 would train 2 independent replicas") == 1, err
+    # Refused before joining the process group: rank 0 of 2 whose peer never starts exits 2 at once. (Refused inside
+    # it, the rank that refused first closed its peer's connect: "Gloo connectFullMesh failed ... closed by peer",
+    # a traceback instead of the line, seen once in a fresh clone's suite.)
+    began = time.monotonic()
+    assert run_distributed(_without_its_peer, 1, str(tmp_path / "alone"), group=False) == [2]
+    assert time.monotonic() - began < 30  # joining would wait parallel.timeout_s=60 for the peer, then fail
+
+
+def _without_its_peer(rank: int, world_size: int, run_dir: str) -> int | str | None:
+    return exit_status(0, 2, run_dir, ("parallel=single", "parallel.timeout_s=60"))
 
 
 NULL_GROUPS = [  # (overrides, the line): a group set to null, a search space unquoted inside a dict (issue 54, 6)

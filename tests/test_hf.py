@@ -224,10 +224,15 @@ def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
 def test_activation_checkpointing_is_the_same_step_bit_for_bit(tiny_llama):
     from trainkit.models.hf import hf_model
 
-    grads = []
+    grads, forwards = [], []
     for checkpointing in (False, True):
         model = hf_model(pretrained=str(tiny_llama), activation_checkpointing=checkpointing)
+        calls: list[int] = []  # each decoder layer's first norm: run again in a checkpointed backward
+        for layer in model.net.model.layers:
+            layer.input_layernorm.register_forward_pre_hook(lambda *_, c=calls: c.append(1))
         x = torch.randint(0, 14, (4, 10), generator=torch.Generator().manual_seed(0))
         F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
+        forwards.append(len(calls))
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert forwards == [2, 4]  # 2 layers: once each in forward; checkpointed, once more each in backward

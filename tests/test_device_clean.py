@@ -126,7 +126,7 @@ def quiet_steps(monkeypatch):
 
 
 # transformers' own forward of a causal LM reads one value per forward (whether position_ids pack several sequences,
-# or whether a padding mask is all ones): a wait trainkit cannot remove (docs/hf.md); compiled, it does not.
+# or whether a padding mask is all ones): a wait trainkit cannot remove (docs/hf.md).
 LIBRARY_WAITS = ("(transformers/masking_utils.py:",)
 
 

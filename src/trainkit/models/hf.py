@@ -17,6 +17,7 @@ classification head, a LoRA adapter, the rotary tables a model computes) is init
 run's seed: the same values at any world size and parallel mode.
 """
 
+import collections
 import copy
 import warnings
 from collections.abc import Mapping
@@ -268,11 +269,10 @@ class HFModel(nn.Module):
 def layer_numbers(model: nn.Module, unit_classes: tuple[str, ...]) -> dict[str, int]:
     """optim.layer_decay's layer of each parameter: its layer's index + 1 among the repeated units (classes of which
     the model has more than one), 0 before the first (embeddings), the last + 1 after it (final norm, head)."""
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
-    layers = outermost(model, tuple(c for c in unit_classes if counts.get(c, 0) > 1))
-    prefixes = {name + ".": i + 1 for name, m in model.named_modules() for i, b in enumerate(layers) if m is b}
+    counts = collections.Counter(type(m).__name__ for m in model.modules())
+    layers = outermost(model, tuple(c for c in unit_classes if counts[c] > 1))
+    index = {id(layer): i + 1 for i, layer in enumerate(layers)}
+    prefixes = {name + ".": index[id(m)] for name, m in model.named_modules() if id(m) in index}
     numbers: dict[str, int] = {}
     seen_layer = False
     for name, _ in model.named_parameters():

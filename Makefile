@@ -19,7 +19,7 @@ FREEZE ?=
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,hf]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,hf,shards]"
 	touch $@
 
 train: $(VENV)/.installed

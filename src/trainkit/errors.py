@@ -24,6 +24,13 @@ class RankError(RunError):
     it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
 
 
+class DataUnavailable(RunError):
+    """A sample's storage failed after its retries (a shard set's object store down): one line naming what and
+    why. A data set that reads remotely (`reads_remotely`) has every rank learn of one rank's failure before the
+    step (loading.TrainWindows.fetch), so all write the last step's checkpoint and stop: the same command resumes
+    once the store is back."""
+
+
 class Stopped(Exception):
     """The run stopped on purpose at an optimizer-step boundary (a signal, trainer.max_time), after every
     rank wrote the checkpoint of that step: not a failure (never restarted). Its text is the one line

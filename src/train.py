@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainkit import checkpoint, config, debug, dist, heldout, launch, optim, parent, records, steps, stop
+from trainkit import checkpoint, config, debug, dist, errors, heldout, launch, optim, parent, records, steps, stop
 from trainkit import teacher as teachers
 from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
@@ -52,8 +52,7 @@ def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) 
     if s.task.items_name:  # counted in the data (fetched first, so known before the first backward): one
         counts = sum(s.task.items(s.unpack(batch)[1]) for batch in micro)  # all-reduce of a number per step
         items = s.d.all_reduce_sum(counts.to(s.d.device, torch.float64, non_blocking=True))  # a GPU: no wait
-    # The gradient is the mean over the window's items of all ranks, also for a short window (items, not
-    # K x batch). DDP and FSDP average over ranks: hence world_size.
+    # The gradient: the mean over the window's items of all ranks (a short window's too); DDP and FSDP average: x W
     return micro, items, s.d.world_size / items
 
 
@@ -99,8 +98,7 @@ def optimizer_step(s: StepParts, windows: TrainWindows, window: int, step: int) 
                     s.meter.add_micro_step(loss_sum)
         if not s.auto.retry():  # all ranks together (one all-reduced flag): none ran out of memory
             break
-        # Drop what the attempt touched; the same window again with half the micro-batch, twice K:
-        # the same samples and dropout draws, so the run is the one with that micro-batch throughout.
+        # Drop what the attempt touched; the same window (samples, draws) again at half the micro-batch, twice K
         s.optimizer.zero_grad(set_to_none=True)
         s.guard.put_back_buffers()
         s.meter.drop_window()
@@ -144,10 +142,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     epochs = math.ceil(total_steps / steps_per_epoch)
     profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
-    # Resume: everything the uninterrupted run would have had, down to every rank's RNG state.
+    # Resume: everything the uninterrupted run would have had, down to every rank's RNG state (FSDP: DCP's shards)
     checkpointer = checkpoint.Checkpointer(
         run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
-    )  # FSDP: each rank writes its shards (DCP)
+    )
     resumed = checkpointer.load(cfg.checkpoint.resume)
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
@@ -196,6 +194,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
     ):
         logger.summary(efficiency.facts)  # summary.json and the logger backend's summary
+        kept = identity, settings, logger.run, selection, val_batches  # what a checkpoint holds beside the step's parts
         # The steps after which there is more to do than train; every step while these need it
         busy = console.bar is not None or profiler.steps is not None or stopper.counts
         every = cfg.trainer.log_every, cfg.trainer.eval_every if len(val_set) else 0, cfg.checkpoint.every
@@ -208,7 +207,12 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 if step >= total_steps:
                     break
                 lrs = [group["lr"] for group in parts.optimizer.param_groups]  # the step's, before the schedule moves
-                step_once(parts, windows, window, step)
+                try:
+                    step_once(parts, windows, window, step)
+                except errors.DataUnavailable as missing:  # all ranks at once (TrainWindows.fetch): keep what ran, stop
+                    at = checkpoint.position(step, epoch, window, steps_per_epoch)
+                    checkpointer.save(step, checkpoint.state_of(parts, at, *kept))
+                    raise missing.resumable(step) from None
                 step += 1
                 if (due := cadence.after(step)) is None:  # most steps: nothing more to do (early stopping and
                     continue  # pruning decide at evaluations)
@@ -230,7 +234,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                 stopped_early = selection.stopped or pruned  # early stopping: its last row and checkpoint at this step
                 due.save |= stopped_early
                 if due.log or stopped_early:  # outside paused(): the row's throughput is training time's
-                    row |= meter.row() | optim.lr_row(parts.optimizer, lrs) | {"micro_batch": windows.layout.batch_size}
+                    row |= meter.row() | optim.lr_row(parts.optimizer, lrs) | windows.row(window + 1)
                     row |= efficiency.row(row["samples_per_s"])  # mem/peak_gb (max over ranks: an all-reduce), mfu
                     console.train_line(step, total_steps, epoch, row)
                 with meter.paused():
@@ -244,9 +248,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if row:
                         logger.log({"step": step, "epoch": epoch + (window + 1) / steps_per_epoch} | row)
                     if due.save or best_now:
-                        done = window + 1 == steps_per_epoch
-                        at = {"step": step, "epoch": epoch + done, "window": 0 if done else window + 1}
-                        state = checkpoint.state_of(parts, at, identity, settings, logger.run, selection, val_batches)
+                        at = checkpoint.position(step, epoch, window + 1, steps_per_epoch)  # the window after it
+                        state = checkpoint.state_of(parts, at, *kept)
                         if due.save:
                             checkpointer.save(step, state)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it

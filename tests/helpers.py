@@ -723,3 +723,51 @@ def small_resnet(
         setattr(model, f"layer{i + 1}", Staged(*layer) if activation_checkpointing else layer)
     model.avgpool, model.fc = nn.AdaptiveAvgPool2d((1, 1)), nn.Linear(32, num_classes)
     return model
+
+
+class RemoteDigits(torch.utils.data.Dataset):
+    """Digits as a shard set in an object store looks to the engine: its own global order (`epoch_order`: blocks of
+    64 samples, the blocks and the samples within each permuted from (seed, epoch)), `reads_remotely`, and a store
+    that fails on rank $TRAINKIT_TEST_FAIL_RANK once that rank loaded $TRAINKIT_TEST_FAIL_AFTER samples (a server
+    down mid-run: trainkit.errors.DataUnavailable, as trainkit.data.shard_store raises after its retries)."""
+
+    draws_random = False
+    reads_remotely = True
+
+    def __init__(self, dataset):
+        self.dataset, self.loaded = dataset, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def epoch_order(self, seed: int, epoch: int, global_batch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1000 * seed + epoch)
+        blocks = torch.arange(len(self)).split(64)
+        return torch.cat(
+            [
+                blocks[b][torch.randperm(len(blocks[b]), generator=generator)]
+                for b in torch.randperm(len(blocks), generator=generator)
+            ]
+        )
+
+    def __getitem__(self, index):
+        from trainkit.errors import DataUnavailable
+
+        after = os.environ.get("TRAINKIT_TEST_FAIL_AFTER")
+        rank = int(os.environ.get("RANK", "0"))
+        if (
+            after is not None
+            and rank == int(os.environ.get("TRAINKIT_TEST_FAIL_RANK", "1"))
+            and self.loaded >= int(after)
+        ):
+            raise DataUnavailable("s3://bucket/digits/train-000003.tar: unavailable after 2 tries (Connection refused)")
+        self.loaded += 1
+        return self.dataset[index]
+
+
+def remote_digits(val_fraction: float = 0.2, test_fraction: float = 0.2):
+    """data.splits._target_=helpers.remote_digits: digits read as from a store that may fail (RemoteDigits)."""
+    from trainkit.data.digits import digits
+
+    train, val, test = digits(val_fraction, test_fraction)
+    return RemoteDigits(train), val, test

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainkit import options
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
@@ -365,7 +366,7 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
         "optim.groups": OmegaConf.to_container(cfg.optim.groups, resolve=True) if cfg.optim.get("groups") else [],
         "optim.layer_decay": cfg.optim.get("layer_decay"),
         **flatten(OmegaConf.to_container(cfg.model, resolve=True), "model"),
-        **flatten(OmegaConf.to_container(cfg.data.splits, resolve=True), "data.splits"),
+        **flatten(data_splits(cfg), "data.splits"),
         **getattr(train_set, "identity", {}),  # what the data is beyond its config (a corpus's checksum)
         # What the run optimizes: the task's loss and all it reads (label smoothing; distil's alpha, temperature and
         # teacher; a contrastive temperature) and how an evaluation measures it (the best checkpoint and early
@@ -380,6 +381,15 @@ def run_identity(cfg: DictConfig, global_batch: int, train_set) -> dict:
     for key in [k for k in identity if k.startswith("model.init.")]:  # where step 0's weights came from: the
         del identity[key]  # checkpoint holds them (the parent may have moved or be gone: a resume never reads it)
     return identity
+
+
+def data_splits(cfg: DictConfig) -> dict:
+    """data.splits' arguments that say what the data is: less those its room names settings (`SETTINGS`: a shard
+    set's cache dir, size limit and retries), which a resume may change."""
+    splits = OmegaConf.to_container(cfg.data.splits, resolve=True)
+    assert isinstance(splits, dict)
+    settings = getattr(options.module_of(cfg, "data"), "SETTINGS", ())
+    return {key: value for key, value in splits.items() if key not in settings}
 
 
 def run_settings(cfg: DictConfig) -> dict:
@@ -499,6 +509,12 @@ def snapshot(
         "logger_store": {k: logger_run[k] for k in ("backend", "store")} if logger_run else None,
         "ranks": {"rng": rng_state(d.device), "meter": meter.state_dict()},
     }
+
+
+def position(step: int, epoch: int, window: int, steps_per_epoch: int) -> dict:
+    """Where a checkpoint after `step` resumes: `window` of `epoch`, or the next epoch's first after its last."""
+    done = window == steps_per_epoch
+    return {"step": step, "epoch": epoch + done, "window": 0 if done else window}
 
 
 def state_of(

@@ -115,6 +115,8 @@ class Kept(Subset):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("dataset", "indices"):  # unpickling: before they are set
             raise AttributeError(name)
+        if name in ("epoch_order", "row"):  # the whole set's order and counts: a subset is in the engine's own order
+            raise AttributeError(name)
         if name.startswith("device_"):
             return self._device_form(name)
         return getattr(self.dataset, name)

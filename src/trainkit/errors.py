@@ -30,6 +30,10 @@ class DataUnavailable(RunError):
     step (loading.TrainWindows.fetch), so all write the last step's checkpoint and stop: the same command resumes
     once the store is back."""
 
+    def resumable(self, step: int) -> "DataUnavailable":
+        """The line once every rank wrote the checkpoint of `step`."""
+        return DataUnavailable(f"{self}; checkpoint of step {step} written: the same command resumes once it is back")
+
 
 class Stopped(Exception):
     """The run stopped on purpose at an optimizer-step boundary (a signal, trainer.max_time), after every

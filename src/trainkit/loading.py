@@ -3,19 +3,22 @@ never pad or repeat a sample; and what a data set may use (InMemory, held_out). 
 are in trainkit/data/ (the room of conf/data)."""
 
 import contextlib
+import functools
 import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
+import torch.distributed as tdist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from trainkit.accumulate import EpochLayout
 from trainkit.batch import collate, emptied, leaves, to_device
 from trainkit.dist import Dist, place
-from trainkit.errors import ConfigError
+from trainkit.errors import ConfigError, DataUnavailable
 from trainkit.rng import sample_seed, seed_all
 
 
@@ -97,8 +100,19 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
     from (seed, epoch, sample index) before loading each sample of a data set that draws.
     """
 
-    def __init__(self, num_samples: int, world_size: int, rank: int, batch_size: int, seed: int, shuffle: bool = True):
-        """shuffle=False (data.shuffle): the epoch in the data set's order, global window s = samples s·B..(s+1)·B-1."""
+    def __init__(
+        self,
+        num_samples: int,
+        world_size: int,
+        rank: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        global_order: Callable[[int], torch.Tensor] | None = None,
+    ):
+        """shuffle=False (data.shuffle): the epoch in the data set's order, global window s = samples s·B..(s+1)·B-1.
+        global_order(epoch): the epoch's order where the data set defines it (`epoch_order`: a shard set's locality),
+        in place of the permutation of (seed + epoch); rank r still takes its positions r, r+W, ..."""
         indices = range(num_samples)  # DistributedSampler only takes the len() of its "dataset"
         self.shard: DistributedSampler = DistributedSampler(
             indices,  # type: ignore[arg-type]
@@ -111,6 +125,7 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
         real = len(range(rank, num_samples, world_size))  # this rank's shard less the padding
         self.real, self.batches = real, math.ceil(real / batch_size)
         self.batch_size, self.epoch, self.start = batch_size, 0, 0
+        self.global_order = global_order if shuffle else None  # data.shuffle=false: the data set's order
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -118,6 +133,8 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
 
     def order(self) -> list[int]:
         """This rank's samples of the epoch, in order, without the padding."""
+        if self.global_order is not None:
+            return self.order_tensor().tolist()
         return list(itertools.islice(self.shard, self.real))
 
     def order_tensor(self) -> torch.Tensor:
@@ -127,6 +144,11 @@ class TrainBatches(Sampler[tuple[int, list[int]]]):
         shard = self.shard
         if not shard.shuffle:
             return torch.arange(shard.rank, len(shard.dataset), shard.num_replicas)  # type: ignore[arg-type]
+        if self.global_order is not None:
+            order = self.global_order(self.epoch)
+            if order.shape != (len(shard.dataset),):  # type: ignore[arg-type]
+                raise RuntimeError(f"epoch_order gave {tuple(order.shape)} positions for {len(shard.dataset)} samples")  # type: ignore[arg-type]
+            return order[shard.rank :: shard.num_replicas]
         generator = torch.Generator().manual_seed(shard.seed + shard.epoch)
         return torch.randperm(len(shard.dataset), generator=generator)[shard.rank :: shard.num_replicas]  # type: ignore[arg-type]
 
@@ -332,8 +354,9 @@ class TrainLoader:
         prefetch_factor: int | None = None,
         shuffle: bool = True,
         resident: "Resident | bool | None" = None,
+        global_order: Callable[[int], torch.Tensor] | None = None,
     ):
-        self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed, shuffle)
+        self.sampler = TrainBatches(length(dataset), d.world_size, d.rank, batch_size, seed, shuffle, global_order)
         self.collate = collate_fn(dataset)
         self.loader = DataLoader(
             SeededBatches(dataset, seed),
@@ -390,6 +413,16 @@ def eval_loader(dataset: Dataset, d: Dist, batch_size: int, num_workers: int, sk
     )
 
 
+def unavailable_line(error: DataUnavailable) -> str:
+    """A DataUnavailable's one line, also where a loader worker raised it (the DataLoader re-raises it with the
+    worker's traceback as its text, our line last)."""
+    text = str(error).strip()
+    if "Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(": ", 1)[1] if last.startswith(("DataUnavailable", "trainkit.errors.")) else last
+
+
 class TrainWindows:
     """The train split as optimizer-step windows: the epoch's layout (accumulate.EpochLayout) and this rank's
     loader at the current micro-batch b and K, `fetch(window)` giving the window's micro-batches. data.batch_size
@@ -401,6 +434,10 @@ class TrainWindows:
         # data.get: a data set's yaml composed without conf/shared/data.yaml (a test's) may leave them out
         self.knobs = (data.num_workers, data.get("pin_memory", True), data.get("prefetch_factor"))
         self.shuffle, self.epoch_number = data.get("shuffle", True), 0
+        # reads_remotely: read failures are agreed on before each step (fetch); a gloo group where the default is not
+        self.remote, self.agree = bool(getattr(dataset, "reads_remotely", False)), None
+        if self.remote and d.distributed and tdist.get_backend() != "gloo":  # every rank builds this at one point
+            self.agree = cast(tdist.ProcessGroup, tdist.new_group(backend="gloo"))
         # data.on_device: the split on the device once (Resident), or a DataLoader; `path` says which and why
         resident, why = residency(dataset, d.device, data.get("on_device", "auto"), data.num_workers)
         self.resident: Resident | bool = resident  # built at the first epoch; kept when `refit` rebuilds the loader
@@ -419,8 +456,11 @@ class TrainWindows:
         if previous is not None and isinstance(previous.resident, Resident):
             self.resident = previous.resident  # a refit (auto's halved micro-batch) moves nothing again
         shuffle, resident = self.shuffle, self.resident
+        # A data set's own global order (`epoch_order`: a shard set's locality, a mixture's shares per global batch)
+        make_order = getattr(self.dataset, "epoch_order", None)
+        order = functools.partial(make_order, self.seed, global_batch=layout.global_batch) if make_order else None
         self.loader = TrainLoader(
-            self.dataset, self.d, b, workers, self.seed, layout.micro_batches, pin, prefetch, shuffle, resident
+            self.dataset, self.d, b, workers, self.seed, layout.micro_batches, pin, prefetch, shuffle, resident, order
         )
         # Per window of the epoch, read every step: its micro-batches and (all ranks') real samples.
         self.micro_steps = [layout.micro_steps(w) for w in range(layout.windows(drop_last=False))]
@@ -434,7 +474,29 @@ class TrainWindows:
         self.batches = self.loader.epoch(epoch, start=first_window * self.layout.steps)
 
     def fetch(self, window: int) -> list:
-        return list(itertools.islice(self.batches, self.micro_steps[window]))  # islice: no comprehension call
+        if not self.remote:
+            return list(itertools.islice(self.batches, self.micro_steps[window]))  # islice: no comprehension call
+        # A data set that reads remotely: a rank whose read failed after its retries (DataUnavailable) must not
+        # leave the others in the step's collectives. Every rank learns of it before the step (one all-reduce of a
+        # host flag, on gloo: no device wait), and all raise it: train.py then writes the last step's checkpoint.
+        try:
+            micro, failed = list(itertools.islice(self.batches, self.micro_steps[window])), ""
+        except DataUnavailable as error:
+            micro, failed = [], unavailable_line(error)
+        flag = torch.tensor([bool(failed)], dtype=torch.int32)
+        if self.d.distributed:
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.agree)
+        if flag.item():
+            lines = [line for line in self.d.gather_object(failed) if line] if self.d.distributed else [failed]
+            raise DataUnavailable(lines[0])  # the first failing rank's line, the same on every rank
+        return micro
+
+    def row(self, windows: int) -> dict:
+        """What the rows say of the data after `windows` windows of the current epoch: the micro-batch, and a data
+        set's own entries (`row(epoch, windows, global_batch)`: a mixture's samples per source)."""
+        row = {"micro_batch": self.layout.batch_size}
+        own = getattr(self.dataset, "row", None)
+        return row | own(self.epoch_number, windows, self.layout.global_batch) if own is not None else row
 
     def refit(self, window: int) -> None:
         self.fit()

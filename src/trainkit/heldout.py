@@ -98,10 +98,11 @@ def batches(
     if not cfg.data.eval_sets:
         return val_batches, test_batches
     vals, tests = {}, {}
-    for name, (val, test) in named(cfg, d, global_batch).items():
-        vals[name] = EvalBatches(val, d, lambda: val_batches.batch_size, *eval_args, what=f"evaluation of {name}")
+    for name, (val, test) in named(cfg, d, global_batch).items():  # each at val's batch; auto: halved on its own
+        key = f"data.eval_sets.{name}"
+        vals[name] = EvalBatches(val, d, val_batches.limit, *eval_args, what=f"evaluation of {key}")
         if cfg.trainer.test and test is not None and len(test) > 0:  # from its val's fitting batch, as test's
-            tests[name] = EvalBatches(test, d, _batch_size_of(vals[name]), *eval_args, what=f"test of {name}")
+            tests[name] = EvalBatches(test, d, _batch_size_of(vals[name]), *eval_args, what=f"test of {key}")
     return EvalSets(val_batches, vals), (EvalSets(test_batches, tests) if test_batches is not None or tests else None)
 
 

@@ -134,9 +134,9 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # At the training micro-batch; auto: halved on its own out of memory too. FSDP: every rank runs as many forwards.
     eval_args = (cfg.data.num_workers, auto.enabled, mode == "fsdp")
     val_batches = EvalBatches(val_set, d, lambda: auto.batch_size, *eval_args)
-    no_test, test_batches = heldout.skipped(test_set, cfg.data.name, train_set), None  # why no test pass, or None
-    if cfg.trainer.test and test_set is not None and not no_test:  # at the end; auto: from val's fitting batch
-        test_batches = EvalBatches(test_set, d, lambda: val_batches.batch_size, *eval_args, what="test")
+    no_test = heldout.skipped(test_set, cfg.data.name, train_set)  # why no test pass (trainer.test), or None
+    # The test pass's batches (at the end; auto: from val's fitting batch), each named set's beside (data.eval_sets)
+    val_batches, test_batches = heldout.batches(cfg, d, val_batches, test_set, global_batch, eval_args)
     steps_per_epoch = windows.layout.epoch_steps(cfg.data.drop_last)  # refused where drop_last drops every sample
     total_steps = cfg.trainer.max_steps or cfg.trainer.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
@@ -164,10 +164,10 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     model, meter, ema, autocast = parts.model, parts.meter, parts.ema, parts.autocast
     step_once = bare_step if parts.bare else optimizer_step
     # The best evaluation (checkpoints/best) and early stopping: every rank decides alike from all-reduced metrics.
-    monitor, monitor_mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled)
+    monitor, direction = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, ema.enabled, cfg.data.eval_sets)
     selected = ema.measured_by(monitor)  # what checkpoints/best and the test pass evaluate: val_raw/* the live weights
     early = cfg.trainer.early_stopping
-    selection = Selection(monitor, monitor_mode, early.patience, early.min_delta, len(val_set) > 0, d)
+    selection = Selection(monitor, direction, early.patience, early.min_delta, len(val_set) > 0, d)
     trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
 
     identity = checkpoint.run_identity(cfg, windows.layout.global_batch, train_set)  # what a resume must not change

@@ -32,7 +32,7 @@ from omegaconf.errors import (
 from packaging.requirements import Requirement  # named in pyproject (check_torch)
 from packaging.version import InvalidVersion, Version
 
-from trainkit import dist, launch, loggers, optim, options, parent, schema, stop
+from trainkit import dist, heldout, launch, loggers, optim, options, parent, schema, stop
 from trainkit.errors import ConfigError, RankError, RunError, Stopped, user_error
 from trainkit.precision import PRECISIONS
 
@@ -276,6 +276,7 @@ def check(cfg: DictConfig) -> None:
         )
     _non_negative("data.num_workers", cfg.data.num_workers, integer=True)
     _optional_positive_int("data.prefetch_factor", cfg.data.get("prefetch_factor"))
+    heldout.check(cfg.data)  # data.eval_sets: plain names, nodes with a _target_
     on_device = cfg.data.get("on_device", "auto")  # Any in the schema (no Union of bool and str): checked here
     if on_device != "auto" and not isinstance(on_device, bool):
         raise ConfigError(f"data.on_device={on_device} is not one of: auto, true, false")

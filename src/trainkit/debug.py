@@ -191,6 +191,16 @@ def splits(section: DictConfig, sets: Sequence[Any], global_batch: int, d: Dist)
     return out[0], out[1], out[2]
 
 
+def held_out(section: DictConfig, val: Any, test: Any | None, global_batch: int) -> tuple[Any, Any | None]:
+    """A named evaluation set's val and test (data.eval_sets) as the section keeps the run's: limit.val, limit.test,
+    then at most eval_batches global batches (overfit keeps them as those leave them: not the trained batch)."""
+    pairs = ((val, section.limit.val), (test, section.limit.test))
+    kept = [None if s is None else take(s, fraction(length(s), f)) for s, f in pairs]
+    if section.eval_batches is not None:
+        kept = [None if s is None else take(s, section.eval_batches * global_batch) for s in kept]
+    return kept[0], kept[1]
+
+
 def _said(value: Any) -> str:
     return "null" if value is None else str(value)
 

@@ -4,7 +4,7 @@ import torch
 
 from trainkit.batch import to_device, unpack
 from trainkit.dist import Dist
-from trainkit.halving import batches_of
+from trainkit.halving import EvalSets, batches_of
 
 
 @torch.no_grad()
@@ -31,13 +31,27 @@ def evaluate(model: torch.nn.Module, loader, d: Dist, autocast, task, prefix: st
     }
 
 
+def evaluate_sets(model: torch.nn.Module, loader, d: Dist, autocast, task, prefix: str = "val") -> dict[str, float]:
+    """`evaluate` of `loader` as `<prefix>/*`; of halving.EvalSets: its split's as `<prefix>/*` and each named
+    set's (data.eval_sets) as `<prefix>/<name>/*`, each on its own contiguous shards. {} where one found that
+    nothing fit (data.batch_size=auto; EvalSets.check raises it)."""
+    parts = loader.prefixed(prefix) if isinstance(loader, EvalSets) else [(prefix, loader)]
+    metrics: dict[str, float] = {}
+    for name, batches in parts:
+        if not (measured := evaluate(model, batches, d, autocast, task, name)):
+            return {}
+        metrics |= measured
+    return metrics
+
+
 def evaluate_averaged(model: torch.nn.Module, ema, loader, d: Dist, autocast, task) -> dict[str, float]:
-    """The weights the evaluation uses as val/*: with an EMA (trainkit.ema.EMA, trainer.ema.decay) its
-    average, and then the live weights as val_raw/*; without, the live weights as val/*."""
+    """The weights the evaluation uses as val/* (and val/<name>/*: evaluate_sets): with an EMA (trainkit.ema.EMA,
+    trainer.ema.decay) its average, and then the live weights as val_raw/* (val_raw/<name>/*); without, the live
+    weights as val/*."""
     with ema.applied(model):  # the live weights come back bit for bit
-        metrics = evaluate(model, loader, d, autocast, task)
+        metrics = evaluate_sets(model, loader, d, autocast, task)
     if metrics and ema.enabled:
-        metrics |= evaluate(model, loader, d, autocast, task, "val_raw")
+        metrics |= evaluate_sets(model, loader, d, autocast, task, "val_raw")
     return metrics
 
 

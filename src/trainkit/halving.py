@@ -164,6 +164,43 @@ class EvalBatches:
             self.fitting = state["eval_batch"]
 
 
+class EvalSets:
+    """A split's EvalBatches (None: the run has none, e.g. no test split) and each named evaluation set's
+    (data.eval_sets, built by trainkit.heldout.batches), measured together by evaluate.evaluate_sets as
+    `<prefix>/*` and `<prefix>/<name>/*`. Where train.py and a checkpoint treat it as the split's EvalBatches:
+    its batch size, a check of every set's, the batch sizes they found (data.batch_size=auto)."""
+
+    def __init__(self, main: EvalBatches | None, named: dict[str, EvalBatches]):
+        self.main, self.named = main, named
+
+    def prefixed(self, prefix: str) -> list[tuple[str, EvalBatches]]:
+        """[(prefix, the split's), (prefix/<name>, each named set's), ...]: each evaluated under its prefix."""
+        main = [(prefix, self.main)] if self.main is not None else []
+        return main + [(f"{prefix}/{name}", batches) for name, batches in self.named.items()]
+
+    @property
+    def batch_size(self) -> int:
+        assert self.main is not None  # val's: every run has a val split (a test pass follows val's, not this)
+        return self.main.batch_size
+
+    def check(self) -> None:
+        for _, batches in self.prefixed(""):
+            batches.check()
+
+    def state_dict(self) -> dict:
+        state = self.main.state_dict() if self.main is not None else {}
+        found = {name: batches.fitting for name, batches in self.named.items() if batches.fitting}
+        return state | ({"eval_sets": found} if found else {})
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's; a set it does not name (added on this resume) starts at val's batch."""
+        if self.main is not None:
+            self.main.load_state_dict(state)
+        found = (state or {}).get("eval_sets", {})
+        for name, batches in self.named.items():
+            batches.load_state_dict({"eval_batch": found.get(name)})
+
+
 class _Plain:
     """Any iterable of batches as EvalBatches without halving."""
 

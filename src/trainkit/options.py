@@ -74,13 +74,26 @@ def typed(cfg: DictConfig) -> None:
             schema = _with_init(schema)  # model's (config.check types it; `from` is no dataclass field name)
             if OmegaConf.get_type(cfg[group]) is schema:
                 continue
-        try:
-            node = OmegaConf.merge(OmegaConf.structured(schema), cfg[group])
-        except Exception as error:
-            if getattr(error, "full_key", None):
-                error.full_key = f"{group}.{error.full_key}"  # type: ignore[attr-defined]
-            raise
-        cfg[group] = node
+        cfg[group] = _merged(schema, cfg[group], group)
+    # data.eval_sets: each node typed by its `_target_`'s signature, as data.splits is
+    sets = cfg.data.get("eval_sets") if "data" in cfg else None
+    if not isinstance(sets, DictConfig):
+        return
+    for name, node in sets.items():
+        target = node.get("_target_") if isinstance(node, DictConfig) else None  # else heldout.check refuses it
+        schema = derived(target, False, _hydra_keys(node, "eval_sets")) if isinstance(target, str) else None
+        if schema is not None and OmegaConf.get_type(node) is not schema:
+            sets[name] = _merged(schema, node, f"data.eval_sets.{name!s}")
+
+
+def _merged(schema: type, node: DictConfig, where: str) -> Any:
+    """`node` merged into `schema`; OmegaConf's refusal with its full_key prefixed by `where`."""
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), node)
+    except Exception as error:
+        if getattr(error, "full_key", None):
+            error.full_key = f"{where}.{error.full_key}"  # type: ignore[attr-defined]
+        raise
 
 
 HYDRA_KEYS = ("_partial_", "_recursive_", "_convert_", "_args_")  # instantiate's own keys, typed where a yaml has them

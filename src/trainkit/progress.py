@@ -14,9 +14,25 @@ def headline(task) -> tuple[str, ...]:
 
 
 def metrics_text(metrics: dict[str, float], split: str, names: tuple[str, ...] = (), sep: str = " | ") -> str:
-    """`val loss 0.0940 | val acc 0.9666` of `<split>/<name>` keys: `names` in order, else every `<split>/` key."""
+    """`val loss 0.0940 | val acc 0.9666` of `<split>/<name>` keys: `names` in order, then each named evaluation
+    set's (data.eval_sets: `val/extra loss 0.1012 | ...`); without `names` every `<split>/` key."""
     keys = [f"{split}/{name}" for name in names] if names else [k for k in metrics if k.startswith(f"{split}/")]
-    return sep.join(f"{split} {key.removeprefix(split + '/')} {metrics[key]:.4f}" for key in keys if key in metrics)
+    texts = [f"{split} {key.removeprefix(split + '/')} {metrics[key]:.4f}" for key in keys if key in metrics]
+    for named in named_splits(metrics, split, names):
+        texts += [f"{named} {name} {metrics[f'{named}/{name}']:.4f}" for name in names if f"{named}/{name}" in metrics]
+    return sep.join(texts)
+
+
+def named_splits(metrics: dict[str, float], split: str, names: tuple[str, ...]) -> list[str]:
+    """The named sets' `<split>/<set>` among `<split>/<set>/<metric>` keys, in order: a metric of `names` after a
+    set, where `<set>/<metric>` is none of `names` (distil's val/loss/ce is its own metric, no set named loss)."""
+    found: dict[str, None] = {}
+    for key in metrics:
+        head, _, rest = key.partition("/")
+        name, _, metric = rest.partition("/")
+        if head == split and metric in names and f"{name}/{metric}" not in names:
+            found[f"{split}/{name}"] = None
+    return list(found)
 
 
 class Progress:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -193,6 +193,9 @@ class Data:
     pin_memory: bool = True  # with CUDA: page-locked batches, copied to the GPU asynchronously
     prefetch_factor: int | None = None  # with workers: batches loaded ahead per worker (null: torch's 2)
     on_device: Any = "auto"  # auto | true | false: the train split on the device, batches by index (config.check)
+    # {name: a node whose _target_ returns what `splits` returns}: each val split evaluated beside val as
+    # val/<name>/*, its test split tested as test/<name>/* (trainkit/heldout.py)
+    eval_sets: dict[str, Any] = field(default_factory=dict)
 
 
 def register() -> None:
@@ -205,3 +208,8 @@ def register() -> None:
     for group, nodes in options.items():
         for name, node in nodes.items():
             store.store(group=f"schema/{group}", name=name, node=node)
+    # data.eval_sets' {} (conf/shared/data.yaml's defaults) open to new keys: `data.eval_sets={extra: ...}` and
+    # `data.eval_sets.extra=...` add a set without `+` (Hydra merges an override into a closed {}: refused)
+    names = OmegaConf.create({})
+    OmegaConf.set_struct(names, False)
+    store.store(group="schema/data", name="eval_sets", node=names)

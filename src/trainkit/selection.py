@@ -8,27 +8,47 @@ each rank's local metric: PL #20141, #4319). The state is a checkpoint entry, so
 the decisions the uninterrupted run takes (PL #1463, #1464: patience and best lost on resume)."""
 
 import math
+from collections.abc import Iterable
 
 from trainkit.errors import ConfigError, RunError
 
 
-def monitored(monitor: str | None, mode: str, task, averaged: bool = False) -> tuple[str | None, str]:
+def monitored(
+    monitor: str | None, mode: str, task, averaged: bool = False, sets: Iterable[str] = ()
+) -> tuple[str | None, str]:
     """(key, "max" | "min") from checkpoint.monitor / checkpoint.mode: auto is the task's own key
     (`task.monitor`, e.g. "val/acc"), and mode auto the direction the task declares for that metric
     (`task.metrics`, e.g. {"acc": "max"}). A key that is none of the task's metrics is refused before
     training, and so is mode auto for a metric whose direction the task does not declare (a guess from the
-    name kept the worst val/rmse); `averaged` (trainer.ema.decay): the live weights' val_raw/* are keys too.
+    name kept the worst val/rmse); `averaged` (trainer.ema.decay): the live weights' val_raw/* are keys too;
+    `sets` (data.eval_sets' names): each named set's val/<name>/* (val_raw/<name>/*), the direction its metric's.
     A task that declares no metrics has val/loss, minimised."""
     declared = getattr(task, "metrics", None) or {"loss": "min"}
     for name, way in declared.items():
         if way not in ("max", "min"):
             raise ConfigError(f"task {type(task).__name__}: metric {name} is {way!r}: its direction must be max or min")
+    sets = list(sets)
+    if clash := next((s for s in sets for name in declared if f"{s}/{name}" in declared), None):
+        # e.g. a set named loss beside distil's loss/ce: val/loss/ce would be two metrics
+        raise ConfigError(
+            f"data.eval_sets.{clash}: its val/{clash}/<metric> keys are the task's own metrics: rename it"
+        )
     if monitor == "auto":
         monitor = getattr(task, "monitor", "val/loss")
     if monitor is None:
         return None, mode
-    keys = [f"{split}/{name}" for split in ("val", "val_raw")[: 1 + averaged] for name in declared]
+    parts = ["", *(f"/{name}" for name in sets)]  # val/*, then each named set's val/<name>/*
+    splits = [f"{split}{part}" for split in ("val", "val_raw")[: 1 + averaged] for part in parts]
+    directions = {f"{split}/{name}": way for split in splits for name, way in declared.items()}
+    keys = list(directions)
     if monitor not in keys and getattr(task, "metrics", None) is not None:
+        split, _, rest = monitor.partition("/")
+        name, _, metric = rest.partition("/")
+        if split in ("val", "val_raw") and metric in declared and name not in sets:
+            raise ConfigError(
+                f"checkpoint.monitor={monitor}: data.eval_sets has no set {name} "
+                f"(its sets: {', '.join(sets) or 'none'})"
+            )
         raise ConfigError(f"checkpoint.monitor={monitor} is not a metric of this run's evaluation ({', '.join(keys)})")
     if mode == "auto":
         if monitor not in keys:
@@ -36,7 +56,7 @@ def monitored(monitor: str | None, mode: str, task, averaged: bool = False) -> t
                 f"checkpoint.mode=auto: task {type(task).__name__} declares no direction for checkpoint.monitor="
                 f"{monitor}; set checkpoint.mode=max or min (or declare it in the task's metrics)"
             )
-        mode = declared[monitor.split("/", 1)[1]]
+        mode = directions[monitor]
     if mode not in ("max", "min"):
         raise ConfigError(f"checkpoint.mode={mode} is not one of: auto, max, min")
     return monitor, mode

@@ -1,7 +1,8 @@
 """The data sets room (conf/data/<name>.yaml: one file here per data set family). Yours goes here too.
 
 A data set is what `data.splits._target_` returns: (train, val, test) map-style data sets (`__len__`,
-`__getitem__`), or (train, val) when there is no test split. A sample may be anything the default collation
+`__getitem__`), or (train, val) when there is no test split. A named evaluation set's `_target_`
+(`data.eval_sets.<name>`, trainkit/heldout.py) returns the same: its val and test are evaluated beside the run's. A sample may be anything the default collation
 stacks: a tensor pair, a tuple of any length, a dict, a dataclass or named tuple of tensors, nested; a data
 set with its own `collate_fn` attribute (padding sequences, say) batches them itself. The task's `unpack`
 says what of a batch the model gets and what is the target. The engine reads, all optional:

@@ -62,7 +62,8 @@ def objective(cfg: DictConfig) -> tuple[str, str]:
     checkpoint.mode; no monitor: the last value of the task's own key, its declared way. train.py returns the
     run's best value (else that last value)."""
     task = instantiate(cfg.task)
-    monitor, mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, cfg.trainer.ema.decay is not None)
+    averaged, sets = cfg.trainer.ema.decay is not None, cfg.data.get("eval_sets") or {}
+    monitor, mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, averaged, sets)
     if monitor is None:
         monitor, mode = monitored("auto", "auto", task)
     return str(monitor), DIRECTIONS[mode]

@@ -169,7 +169,6 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     early = cfg.trainer.early_stopping
     selection = Selection(monitor, direction, early.patience, early.min_delta, len(val_set) > 0, d)
     trial = pruning.Trial.of_job(selection.monitor, d)  # a study's trial with a pruner (hparams_search=), else None
-
     identity = checkpoint.run_identity(cfg, windows.layout.global_batch, train_set)  # what a resume must not change
     settings = checkpoint.run_settings(cfg)  # what a resume may change
     checkpointer.claim(run_dir, resumed)  # one run per run dir: never a mix of two
@@ -179,9 +178,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     if start is None:  # a run that stopped early, or is past this run's steps: nothing to train
         return selection.best  # None without a monitor
     records.write_start(cfg, run_dir, d, train_set, chained, teacher, resumed)  # only now: a refused run writes none
-
     announce(cfg, d, mode, (train_set, val_set, test_set), windows, total_steps, run_dir, no_test)  # rank 0's lines
-    # EMA on: the average as val/*, the live weights as val_raw/*
     evaluation = functools.partial(evaluate_averaged, unwrap(model), ema, val_batches, d, autocast, task)
 
     step, val, stopping, pruned = start["step"], {}, None, False

@@ -21,20 +21,25 @@ from werkzeug.serving import BaseWSGIServer, make_server
 SECRET = "trainkit-test-secret-0123456789"  # tests check that no message shows it
 
 
+def client_env(endpoint: str) -> dict[str, str]:
+    """What an S3 client of `endpoint` needs: fake credentials (the user's ~/.aws files shut out)."""
+    return {
+        "AWS_ACCESS_KEY_ID": "trainkit-test-key",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+
+
 class S3Server:
     def __init__(self) -> None:
         with socket.socket() as probe:  # a free port, kept across stop/start
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            "AWS_ACCESS_KEY_ID": "trainkit-test-key",
-            "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-        }
+        self.env = client_env(self.endpoint)
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise

@@ -1,14 +1,18 @@
 """trainkit.data.shard_store: a shard set's files from a local dir or an S3 server (moto's, tests/s3_server.py),
 downloaded into a cache held under its size limit, with retries that end in one line."""
 
+import io
 import multiprocessing
 import os
 import pickle
+import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from s3_server import SECRET
+import s3fs
+from s3_server import SECRET, client_env
 from webdataset.gopen import gopen_schemes
 
 from trainkit.data import shard_store
@@ -130,6 +134,53 @@ def test_a_store_down_fails_in_one_line_after_its_tries_then_works_again(bucket,
     assert Path(store.local("f2")).read_bytes()[:1] == b"c"
 
 
+@pytest.fixture
+def rude(monkeypatch):
+    """The endpoint a server that closes every connection unanswered (botocore's ConnectionClosedError, which s3fs's
+    own loop retries: 5 times, 1 s in all, by default)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                connection = listener.accept()[0]
+                connection.recv(65536)  # the request read, so the client sees a closed connection, not a refusal
+                connection.close()
+            except OSError:  # closed
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    for name, value in client_env(f"http://127.0.0.1:{listener.getsockname()[1]}").items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance keeps the endpoint it was made with
+    yield
+    listener.close()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_store_that_drops_connections_fails_after_our_tries_alone(rude, cache):
+    store = Store("s3://shards/a", cache_dir=str(cache), retries=2, backoff=0.01)
+    start = time.perf_counter()
+    with pytest.raises(DataUnavailable, match=r"f1: unavailable after 2 tries: ConnectionClosedError: "):
+        store.local("f1")
+    assert time.perf_counter() - start < 2.0  # 2 x (s3fs's one try + its 0.1 s wait); its own 5 tries: 3.8 s
+
+
+def test_a_download_cut_short_never_enters_the_cache(bucket, cache, monkeypatch):
+    class Cut(io.BytesIO):  # the store stated SIZE bytes; the connection ended after 4000
+        size = SIZE
+
+    class CuttingStore:
+        def open(self, url, mode):
+            return Cut(b"x" * 4000)
+
+    store = Store(f"{bucket}/a", cache_dir=str(cache), retries=2, backoff=0.01)
+    monkeypatch.setattr(shard_store, "filesystem", lambda protocol: CuttingStore())
+    with pytest.raises(DataUnavailable, match=r"f5: unavailable after 2 tries: OSError: short read: 4000 of 10000"):
+        store.local("f5")
+    assert not (Path(str(store.cache_dir)) / "f5").exists()
+
+
 def test_a_missing_file_is_not_retried(bucket, cache):
     store = Store(f"{bucket}/a", cache_dir=str(cache), retries=4, backoff=5)  # a retry would take 5 s
     with pytest.raises(DataUnavailable, match=r"^s3://shards/a/nope: no such file in the store$"):
@@ -187,6 +238,19 @@ def test_a_file_a_cleanup_deletes_before_use_is_fetched_again(bucket, cache, mon
     monkeypatch.setattr(cache_object, "get_file", racing)
     path = store.local("f1")
     assert deleted == [path] and Path(path).read_bytes()[:1] == b"b"
+    monkeypatch.undo()
+    local = store.local
+
+    def deleting(name):  # ... or between local() and the open
+        path = local(name)
+        if len(deleted) < 2:
+            os.remove(path)
+            deleted.append(path)
+        return path
+
+    monkeypatch.setattr(store, "local", deleting)
+    with store.open("f2") as file:
+        assert file.read() == b"c" * SIZE and len(deleted) == 2
 
 
 def _child(store, name, results):

@@ -198,8 +198,13 @@ def test_prefetch_downloads_in_the_background_and_its_failure_surfaces_at_local(
     assert Path(store.local("f4")).read_bytes()[:1] == b"e" and Path(store.local("f5")).read_bytes()[:1] == b"f"
     store.prefetch(["f6", "f7"])  # fail in the background, silently
     store.wait_prefetched()
-    fetch, tries = store._fetch, []
-    monkeypatch.setattr(store, "_fetch", lambda name: tries.append(name) or fetch(name))
+    fetch, tries = store._fetch, list[str]()
+
+    def counted(name):
+        tries.append(name)
+        return fetch(name)
+
+    monkeypatch.setattr(store, "_fetch", counted)
     with pytest.raises(DataUnavailable, match=r"f6: unavailable after 2 tries"):
         store.local("f6")
     assert tries == ["f6"]  # the background's try was the first

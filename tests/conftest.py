@@ -35,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "figures" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """An S3 server on localhost for a test module (tests/s3_server.py): its env set, `.bucket(name)` makes a bucket,
+    `.stop()` / `.start()` take it down and back (objects kept)."""
+    from s3_server import serving
+
+    with serving() as server:
+        yield server

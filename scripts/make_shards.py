@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None, progress: bool = True) -> int:
         try:
             with initialize_config_dir(str(CONF), version_base="1.3"):
                 cfg = compose("train", overrides=overrides, return_hydra_config=True)
-        except HydraException as error:
-            raise ConfigError(" ".join(str(error).split("\n")[0].split())) from None
+        except HydraException as error:  # as train.py says it (data=nope is not one of: ...)
+            raise ConfigError(config._one_line(error) or " ".join(str(error).split("\n")[0].split())) from None
         task = cfg.hydra.runtime.choices.get("task")
         with open_dict(cfg):
             del cfg["hydra"]

@@ -90,10 +90,11 @@ def test_every_sample_of_every_split_is_the_source_s_sample(made, name):
     for split, source, read in zip(shards.SPLITS, theirs, ours, strict=True):
         assert len(read) == len(source), (name, split)
         order = shards.write_order(len(source), 0, split == "train").tolist()
+        seed = torch.default_generator.manual_seed  # what an augmentation draws (TrainLoader seeds it per sample)
         for position, index in enumerate(order):
-            torch.manual_seed(position)  # what an augmentation draws (TrainLoader seeds it per sample)
+            seed(position)
             mine = read[position]
-            torch.manual_seed(position)
+            seed(position)
             assert same(mine, source[index]), (name, split, position)
     assert ours[0].draws_random == ("torch" if name == "images" else False) and ours[1].draws_random is False
     assert (getattr(ours[0], "collate_fn", None) is not None) == (name == "addition")

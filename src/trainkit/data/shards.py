@@ -353,7 +353,9 @@ class ShardSplit(Dataset):
             self.collate_fn = get_object(manifest["collate_fn"])
         self.order_key: tuple[int, ...] = ()  # a mixture's source: (source index,) before the source epoch
         # [generation, seed, epoch]: where the train order is (epoch_order writes it; shared with loader workers)
-        self.hint = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self.hint = torch.zeros(3, dtype=torch.int64)
+        if split == "train":  # shared memory: a persistent worker sees what the main process writes (fork or spawn)
+            self.hint.share_memory_()
         self.remote = self.reads_remotely = "://" in location  # the engine: a failed read is agreed on by all ranks
         self._reset()
 

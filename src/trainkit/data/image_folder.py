@@ -232,6 +232,21 @@ def statistics(folder: Folder, image_size: int, resize: int | None) -> tuple[lis
     return [round(float(v), 6) for v in mean], [round(float(v), 6) for v in std]
 
 
+def transforms_of(image_size: int, resize: int | None, mean: list[float], std: list[float]) -> tuple:
+    """(train, eval) transforms: RandomResizedCrop + RandomHorizontalFlip, and Resize + CenterCrop; each then ToTensor
+    and Normalize. data=shards applies them to an image folder's shards (trainkit/data/shards.py)."""
+    from torchvision import transforms
+
+    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    augment = transforms.Compose(
+        [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(), *normalize]
+    )
+    plain = transforms.Compose(
+        [transforms.Resize(eval_resize(image_size, resize)), transforms.CenterCrop(image_size), *normalize]
+    )
+    return augment, plain
+
+
 def splits(
     root: str | None,
     image_size: int,
@@ -241,7 +256,7 @@ def splits(
 ) -> tuple:
     """(train, val, test) ImageFolders of `root` (train, val without a test/ dir), their transforms from
     the config. The train split carries the folder's checksum (`identity`) and a `summary` line."""
-    from torchvision import datasets, transforms
+    from torchvision import datasets
 
     if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 1:
         raise ConfigError(f"data.image_size={image_size} must be a positive integer")
@@ -252,13 +267,7 @@ def splits(
     mean, std = list(mean if mean is not None else stats[0]), list(std if std is not None else stats[1])
     if len(mean) != 3 or len(std) != 3:
         raise ConfigError(f"data.mean={mean} and data.std={std} must have 3 values (RGB)")
-    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
-    augment = transforms.Compose(
-        [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(), *normalize]
-    )
-    plain = transforms.Compose(
-        [transforms.Resize(eval_resize(image_size, resize)), transforms.CenterCrop(image_size), *normalize]
-    )
+    augment, plain = transforms_of(image_size, resize, mean, std)
     made = [
         datasets.ImageFolder(str(folder.root / split), augment if split == "train" else plain, loader=load_rgb)
         for split in SPLIT_DIRS
@@ -270,6 +279,8 @@ def splits(
         dataset.draws_random = "torch" if split == "train" else False
         assert dataset.classes == folder.classes, (split, dataset.classes)  # scan checked the names
     train = made[0]
+    # What the transforms were made from (mean and std as computed): scripts/make_shards.py writes it with the images
+    train.image_settings = {"image_size": image_size, "resize": resize, "mean": mean, "std": std}
     train.identity = {"data.folder": {"sha256": folder.digest(), "source": str(folder.root)}}
     # Why there is no test split, or None: trainkit.heldout says it once, with this cause.
     train.no_test = f"data.root={folder.root} has no test/ dir" if folder.files["test"] is None else None

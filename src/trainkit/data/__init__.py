@@ -2,10 +2,20 @@
 
 A data set is what `data.splits._target_` returns: (train, val, test) map-style data sets (`__len__`,
 `__getitem__`), or (train, val) when there is no test split. A named evaluation set's `_target_`
-(`data.eval_sets.<name>`, trainkit/heldout.py) returns the same: its val and test are evaluated beside the run's. A sample may be anything the default collation
-stacks: a tensor pair, a tuple of any length, a dict, a dataclass or named tuple of tensors, nested; a data
-set with its own `collate_fn` attribute (padding sequences, say) batches them itself. The task's `unpack`
-says what of a batch the model gets and what is the target. The engine reads, all optional:
+(`data.eval_sets.<name>`, trainkit/heldout.py) returns the same: its val and test are evaluated beside the run's.
+A sample may be anything the default collation stacks: a tensor pair, a tuple of any length, a dict, a dataclass
+or named tuple of tensors, nested; a data set with its own `collate_fn` attribute (padding sequences, say) batches
+them itself. The task's `unpack` says what of a batch the model gets and what is the target. The engine reads, all
+optional:
+- `epoch_order(seed, epoch, global_batch)`: the train split's global order of an epoch (an int64 tensor of len()
+  indices), in place of the permutation of (seed + epoch) when data.shuffle is true: global window s is its
+  positions s·B..(s+1)·B-1, rank r takes positions r, r+W, ... (trainkit.loading.TrainBatches). It may depend on
+  (seed, epoch) and, for shares per global batch, B: never on W, K or the micro-batch (data=shards: shard locality;
+  a mixture's shares).
+- `row(epoch, windows, global_batch)`: entries for each logged row after `windows` windows of `epoch` (a mixture's
+  samples per source, `data/<source>`).
+- `reads_remotely`: True where a read may fail for a while (an object store): trainkit.errors.DataUnavailable from
+  a read is then agreed on by every rank before the step, which write the last step's checkpoint and stop.
 - `draws_random`: False when loading a sample draws nothing from Python's, numpy's or torch's generators
   (then nothing is seeded per sample); "torch" when it draws from torch's alone. Without it, trainkit seeds
   all three per sample from (seed, epoch, index): the same draws at any allocation and after a resume.
@@ -36,6 +46,8 @@ defaults): data/digits.py declares nothing else.
 Its module may declare (trainkit/options.py reads them; the engine imports no file here by name):
 - `Schema`: a dataclass subclassing trainkit.schema.Data, the yaml's keys and their types, where the data set has
   keys of its own beside `splits` (`vocab_size`, `block_size`: data/addition.py) or a signature with **kwargs.
+- `SETTINGS`: names of the splits function's arguments that are settings, not data (a shard store's cache and
+  retries): left out of the run's identity, so a resume may change them.
 - `check(cfg)`: refuse a config it cannot work with (trainkit.errors.ConfigError naming the key).
 - `check_run(run_dir, run_cfg)`: eval.py and predict.py call it on a finished run of this data set (e.g.
   data=pydoc_text: the vocabulary it trained with is this Python's).

@@ -23,7 +23,7 @@ from trainkit.errors import ConfigError
 
 # The data keys that are no fact about the samples: what the loader does with them (trainkit.schema.Data's)
 LOADER_KNOBS: tuple[str, ...] = ("name", "splits", "batch_size", "drop_last", "shuffle", "num_workers", "pin_memory")
-LOADER_KNOBS += ("prefetch_factor", "on_device")
+LOADER_KNOBS += ("prefetch_factor", "on_device", "eval_sets")
 
 
 def refuse_existing(out: str, overwrite: bool) -> None:
@@ -31,7 +31,7 @@ def refuse_existing(out: str, overwrite: bool) -> None:
     if "://" in out:
         try:
             Store(out, key="out").read_text(shards.MANIFEST)
-        except FileNotFoundError:
+        except ConfigError:  # no shard set there
             return
         if not overwrite:
             raise ConfigError(f"out={out} holds a shard set: another URL, or overwrite=true to replace it")

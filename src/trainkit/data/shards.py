@@ -219,10 +219,8 @@ def _store(location: str, key: str, settings: Mapping | None = None) -> Store:
 def _manifest_text(location: str, key: str, stamp: int | None) -> str:
     try:
         return _store(location, key).read_text(MANIFEST)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{key}={location} holds no {MANIFEST}: write a shard set with scripts/make_shards.py"
-        ) from None
+    except ConfigError as error:  # no such dir, or no manifest in it (the store's line names which)
+        raise ConfigError(f"{error}: scripts/make_shards.py writes a shard set") from None
 
 
 def manifest_text(location: str, key: str = "data.path") -> str:

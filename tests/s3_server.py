@@ -42,16 +42,36 @@ class S3Server:
         self.env = client_env(self.endpoint)
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
+        self._left: int | None = None  # stop_after's downloads to go
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
 
     def start(self) -> None:
         """moto.server.ThreadedMotoServer's few lines, but polling for shutdown every 10 ms (its 0.5 s made each
         stop() cost half a second) and closing the socket in stop() (its stop() leaves it listening: clients hang)."""
         assert self._server is None, "already serving"
-        app = DomainDispatcherApplication(create_backend_app)
+        app = self._counted(DomainDispatcherApplication(create_backend_app))
         self._server = make_server("127.0.0.1", self.port, app, threaded=True, request_handler=MotoRequestHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.01,), daemon=True)
         self._thread.start()
+
+    def stop_after(self, downloads: int | None) -> None:
+        """Go down (stop(), from a thread of its own) once `downloads` more objects under a `train-` name were
+        served: a store that fails at a fixed point of a run, whatever its timing. None: never."""
+        self._left = downloads
+
+    def _counted(self, app):
+        def counted(environ, start_response):
+            shard = environ["REQUEST_METHOD"] == "GET" and "/train-" in environ.get("PATH_INFO", "")
+            if shard and self._left is not None:
+                self._left -= 1
+                if self._left < 0:  # this one fails too: the server is going down
+                    self._left = None
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    start_response("503 Service Unavailable", [("Content-Length", "0")])
+                    return [b""]
+            return app(environ, start_response)
+
+        return counted
 
     def stop(self) -> None:
         assert self._server is not None and self._thread is not None, "not serving"

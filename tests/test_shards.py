@@ -251,6 +251,7 @@ def test_a_resume_on_other_weights_or_another_source_list_is_refused_in_one_line
         (["data.sources={{a: {{path: {digits}}}, b: {{path: {addition}}}}}"], "data.sources: a and b differ in task"),
         (["data.path={digits}", "data.window=0"], "data.window=0 must be an integer >= 1"),
         (["data.sources={{a: {{path: {digits}}}}}", "data.shuffle=false"], "data.shuffle=false: a mixture's epoch"),
+        (["data.sources={{a: {{path: {digits}}}}}", "debug=limit"], "debug=limit: not with a mixture"),
         (["data.path={digits}x"], "data.path={digits}x: no such directory: scripts/make_shards.py writes a shard set"),
     ],
 )

@@ -406,8 +406,10 @@ class ShardSplit(Dataset):
         if fd is not None:
             self._open.move_to_end(shard)
             return fd
-        path = self.store.local(self.names[shard])  # a URL's shard downloaded into the cache (DataUnavailable)
-        fd = os.open(path, os.O_RDONLY)
+        # A URL's shard downloaded into the cache (DataUnavailable), opened at once: the descriptor keeps reading it
+        # when a cleanup (another rank's, or this process's prefetch) removes the file from the cache
+        with self.store.open(self.names[shard]) as file:
+            fd = os.dup(file.fileno())
         if (size := os.fstat(fd).st_size) != self.bytes[shard]:
             os.close(fd)
             raise RankError(
@@ -426,7 +428,7 @@ class ShardSplit(Dataset):
         fd = self._fd(shard)
         members = tar_members(fd, self.bytes[shard])
         if members is None:
-            with tarfile.open(self.store.local(self.names[shard]), "r:") as tar:
+            with os.fdopen(os.dup(fd), "rb") as file, tarfile.open(fileobj=file, mode="r:") as tar:
                 members = [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
         first, samples = int(self.cumulative[shard]), int(self.cumulative[shard + 1] - self.cumulative[shard])
         rows: dict[int, dict[str, tuple[int, int]]] = {}
@@ -609,6 +611,12 @@ def check(cfg) -> None:
     if node.get("sources") and cfg.data.get("shuffle", True) is False:
         raise ConfigError(
             "data.shuffle=false: a mixture's epoch is drawn by weight (data.sources); it has no stored order"
+        )
+    mode = OmegaConf.select(cfg, "debug.mode", default=None)
+    if node.get("sources") and mode in ("limit", "fast", "overfit"):  # debug's subsets: the first samples, no weights
+        raise ConfigError(
+            f"debug={mode}: not with a mixture (data.sources draws each global batch by weight); "
+            "debug a source alone: data.path=<its dir>"
         )
 
 

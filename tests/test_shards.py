@@ -296,8 +296,8 @@ def test_a_remote_reader_entering_window_j_asks_the_store_for_window_j_plus_1(ma
         def __init__(self, store):
             self.store, self.asked = store, []
 
-        def local(self, name):
-            return self.store.local(name)
+        def open(self, name):
+            return self.store.open(name)
 
         def prefetch(self, names):
             self.asked.append(sorted(names))

@@ -242,6 +242,8 @@ def check(cfg: DictConfig) -> None:
         while cause is not None and not isinstance(cause, ConfigError):
             cause = cause.__cause__ or cause.__context__  # OmegaConf re-raises it wrapped, twice
         text = str(cause) if cause is not None else str(error.msg).splitlines()[0]
+        if re.match(r"[\w.]+=", text):  # it names its own key and value (data.path=...): not the interpolating key's
+            raise ConfigError(text) from None
         raise ConfigError(f"{error.full_key}: {text}") from None
     if not 0 <= cfg.seed <= MAX_SEED:  # numpy's range; SeedSequence refuses negative seeds
         raise ConfigError(f"seed={cfg.seed} must be an integer in [0, {MAX_SEED}]")

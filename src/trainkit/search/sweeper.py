@@ -42,7 +42,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from trainkit import checkpoint, dist
+from trainkit import checkpoint, dist, options
 from trainkit.errors import ConfigError
 from trainkit.search import grammar, studies
 from trainkit.search.pruning import PRUNED_AT
@@ -61,6 +61,7 @@ def objective(cfg: DictConfig) -> tuple[str, str]:
     """(the objective's key, maximize | minimize): checkpoint.monitor (auto: the task's) and its
     checkpoint.mode; no monitor: the last value of the task's own key, its declared way. train.py returns the
     run's best value (else that last value)."""
+    options.module_of(cfg, "data")  # imported: its resolvers (${pydoc_per_character:}), which the task's keys read
     task = instantiate(cfg.task)
     averaged, sets = cfg.trainer.ema.decay is not None, cfg.data.get("eval_sets") or {}
     monitor, mode = monitored(cfg.checkpoint.monitor, cfg.checkpoint.mode, task, averaged, sets)

@@ -24,15 +24,15 @@ class RankError(RunError):
     it, since rank 0 cannot know it (and a launcher may end rank 0 before it says anything)."""
 
 
-class DataUnavailable(RunError):
+class DataUnavailable(RankError):
     """A sample's storage failed after its retries (a shard set's object store down): one line naming what and
-    why. A data set that reads remotely (`reads_remotely`) has every rank learn of one rank's failure before the
-    step (loading.TrainWindows.fetch), so all write the last step's checkpoint and stop: the same command resumes
-    once the store is back."""
+    why, from the rank that met it. A data set that reads remotely (`reads_remotely`) has every rank learn of one
+    rank's failure before the step (loading.TrainWindows.fetch), so all write the last step's checkpoint and stop
+    (`resumable`): the same command resumes once the store is back."""
 
-    def resumable(self, step: int) -> "DataUnavailable":
-        """The line once every rank wrote the checkpoint of `step`."""
-        return DataUnavailable(f"{self}; checkpoint of step {step} written: the same command resumes once it is back")
+    def resumable(self, step: int) -> RunError:
+        """The line every rank raises once all wrote the checkpoint of `step` (rank 0 says it)."""
+        return RunError(f"{self}; checkpoint of step {step} written: the same command resumes once it is back")
 
 
 class Stopped(Exception):

@@ -32,7 +32,8 @@ largest, against shard size x window, and how often each shard was downloaded (o
 
 Timing: wall clock (loader workers are other processes). Each loader is warmed by one epoch; a round times one epoch
 of each in an order that rotates between rounds; the figures are the medians over rounds, the ratios the medians of
-the per-round ratios (quartiles beside them).
+the per-round ratios (quartiles beside them). At 0 workers the ratios also by this process's CPU time, which holds
+where other jobs share the cores (wall-clock rounds then swing by tens of per cent).
 """
 
 import argparse
@@ -189,25 +190,30 @@ def webdataset_loader(folder: Path, decode, workers: int, batch_size: int):
     return lambda epoch: loader
 
 
-def epoch_rate(batches, count: int) -> float:
-    """Samples per second of one pass over `batches`."""
-    start, seen = time.perf_counter(), 0
+def epoch_rate(batches, count: int) -> tuple[float, float]:
+    """Samples per second of one pass over `batches`: of wall time, and of this process's CPU time."""
+    start, cpu, seen = time.perf_counter(), time.process_time(), 0
     for x, _ in batches:
         seen += len(x)
-    elapsed = time.perf_counter() - start
+    elapsed, used = time.perf_counter() - start, time.process_time() - cpu
     assert seen == count, (seen, count)
-    return seen / elapsed
+    return seen / elapsed, seen / max(used, 1e-9)
 
 
-def time_loaders(loaders: dict, count: int, rounds: int) -> dict[str, list[float]]:
-    """{name: samples/s per round}: a warm-up epoch each (workers start), then rounds in a rotating order."""
-    names, rates = list(loaders), {name: [] for name in loaders}
+def time_loaders(loaders: dict, count: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """({name: samples/s per round}, the same by this process's CPU time): a warm-up epoch each (workers start),
+    then rounds in a rotating order."""
+    names = list(loaders)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
         epoch_rate(loaders[name](0), count)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rates[name].append(epoch_rate(loaders[name](r + 1), count))
-    return rates
+            wall, used = epoch_rate(loaders[name](r + 1), count)
+            rates[name].append(wall)
+            cpu[name].append(used)
+    return rates, cpu
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -226,14 +232,17 @@ def compare(section: str, folder: Path, decode, args, memmap=None) -> list[dict]
         }
         if memmap is not None:
             loaders["memmap"] = trainkit_loader(memmap, workers, args.batch_size, on_device=False)
-        rates = time_loaders(loaders, len(train), args.rounds)
+        rates, cpu = time_loaders(loaders, len(train), args.rounds)
         row = {"section": section, "workers": workers, "samples": len(train), "shards": len(train.names)}
         row |= {name: statistics.median(r) for name, r in rates.items()}
-        ratio = [t / w for t, w in zip(rates["trainkit"], rates["webdataset"], strict=True)]
-        row["ratio"], *row["ratio_quartiles"] = spread(ratio)
-        if memmap is not None:
-            of_memmap = [t / m for t, m in zip(rates["trainkit"], rates["memmap"], strict=True)]
-            row["of_memmap"], *row["of_memmap_quartiles"] = spread(of_memmap)
+        for key, other in (("ratio", "webdataset"), ("of_memmap", "memmap")):
+            if other in loaders:
+                row[key], *row[f"{key}_quartiles"] = spread(
+                    [t / o for t, o in zip(rates["trainkit"], rates[other], strict=True)]
+                )
+                # 0 workers: all the work is this process's, and its CPU time holds where other jobs share the cores
+                by_cpu = [t / o for t, o in zip(cpu["trainkit"], cpu[other], strict=True)]
+                row[f"{key}_cpu"] = statistics.median(by_cpu) if workers == 0 else None
         row["rounds"] = args.rounds
         rows.append(row)
         del loaders  # their persistent workers end with them
@@ -335,19 +344,24 @@ SECTIONS = {"tokens": bench_tokens, "images": bench_images, "cache": bench_cache
 def table(rows: list[dict]) -> str:
     lines = [
         "| data | workers | samples (shards) | trainkit, data=shards (samples/s) | webdataset (samples/s) "
-        "| trainkit / webdataset (quartiles) | data=tokens memmap (samples/s) | trainkit shards / memmap |",
-        "|---|---|---|---:|---:|---|---:|---|",
+        "| trainkit / webdataset (quartiles) | by CPU time | data=tokens memmap (samples/s) "
+        "| trainkit / memmap (quartiles) | by CPU time |",
+        "|---|---|---|---:|---:|---|---|---:|---|---|",
     ]
+
+    def ratio(r: dict, key: str) -> str:
+        if key not in r:
+            return "- | -"
+        q, cpu = r[f"{key}_quartiles"], r[f"{key}_cpu"]
+        return f"{r[key]:.3f} ({q[0]:.3f}-{q[1]:.3f}) | {'-' if cpu is None else f'{cpu:.3f}'}"
+
     for r in rows:
         if r["section"] == "cache":
             continue
-        q = r["ratio_quartiles"]
         memmap = f"{r['memmap']:.0f}" if "memmap" in r else "-"
-        of = r.get("of_memmap_quartiles")
-        of_memmap = f"{r['of_memmap']:.3f} ({of[0]:.3f}-{of[1]:.3f})" if of else "-"
         lines.append(
             f"| {r['section']} | {r['workers']} | {r['samples']} ({r['shards']}) | {r['trainkit']:.0f} "
-            f"| {r['webdataset']:.0f} | {r['ratio']:.3f} ({q[0]:.3f}-{q[1]:.3f}) | {memmap} | {of_memmap} |"
+            f"| {r['webdataset']:.0f} | {ratio(r, 'ratio')} | {memmap} | {ratio(r, 'of_memmap')} |"
         )
     for r in rows:
         if r["section"] == "cache":

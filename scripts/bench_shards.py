@@ -32,8 +32,9 @@ largest, against shard size x window, and how often each shard was downloaded (o
 
 Timing: wall clock (loader workers are other processes). Each loader is warmed by one epoch; a round times one epoch
 of each in an order that rotates between rounds; the figures are the medians over rounds, the ratios the medians of
-the per-round ratios (quartiles beside them). At 0 workers the ratios also by this process's CPU time, which holds
-where other jobs share the cores (wall-clock rounds then swing by tens of per cent).
+the per-round ratios (quartiles beside them); the ratios also by CPU time (this process's and its loader workers',
+read from /proc: the figure that holds where other jobs share the cores, when wall-clock rounds swing by tens of
+per cent).
 """
 
 import argparse
@@ -162,6 +163,7 @@ def trainkit_loader(dataset, workers: int, batch_size: int, on_device="auto"):
         for window in range(len(windows.micro_steps)):
             yield from windows.fetch(window)
 
+    epoch.dataloader = lambda: windows.loader.loader  # type: ignore[attr-defined]  # its workers' CPU time
     return epoch
 
 
@@ -187,15 +189,31 @@ def webdataset_loader(folder: Path, decode, workers: int, batch_size: int):
     pipeline = wds.WebDataset(urls, shardshuffle=len(urls), detshuffle=True, seed=0).shuffle(SHUFFLE_BUFFER)
     pipeline = decode(pipeline).batched(batch_size, collation_fn=default_collate)
     loader = DataLoader(pipeline, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
-    return lambda epoch: loader
+
+    def epoch(number: int):
+        return loader
+
+    epoch.dataloader = lambda: loader  # type: ignore[attr-defined]
+    return epoch
 
 
-def epoch_rate(batches, count: int) -> tuple[float, float]:
-    """Samples per second of one pass over `batches`: of wall time, and of this process's CPU time."""
-    start, cpu, seen = time.perf_counter(), time.process_time(), 0
-    for x, _ in batches:
+def cpu_seconds(dataloader: DataLoader) -> float:
+    """CPU seconds used so far by this process and by the loader's (persistent) workers, read from /proc."""
+    total = time.process_time()
+    for worker in getattr(getattr(dataloader, "_iterator", None), "_workers", []):
+        with contextlib.suppress(OSError):  # utime and stime: the 14th and 15th fields of /proc/<pid>/stat
+            fields = Path(f"/proc/{worker.pid}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def epoch_rate(loader, epoch: int, count: int) -> tuple[float, float]:
+    """Samples per second of one pass over `loader(epoch)`: of wall time, and of the CPU time of this process and
+    the loader's workers together."""
+    start, cpu, seen = time.perf_counter(), cpu_seconds(loader.dataloader()), 0
+    for x, _ in loader(epoch):
         seen += len(x)
-    elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+    elapsed, used = time.perf_counter() - start, cpu_seconds(loader.dataloader()) - cpu
     assert seen == count, (seen, count)
     return seen / elapsed, seen / max(used, 1e-9)
 
@@ -207,10 +225,10 @@ def time_loaders(loaders: dict, count: int, rounds: int) -> tuple[dict[str, list
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
-        epoch_rate(loaders[name](0), count)
+        epoch_rate(loaders[name], 0, count)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            wall, used = epoch_rate(loaders[name](r + 1), count)
+            wall, used = epoch_rate(loaders[name], r + 1, count)
             rates[name].append(wall)
             cpu[name].append(used)
     return rates, cpu
@@ -240,9 +258,9 @@ def compare(section: str, folder: Path, decode, args, memmap=None) -> list[dict]
                 row[key], *row[f"{key}_quartiles"] = spread(
                     [t / o for t, o in zip(rates["trainkit"], rates[other], strict=True)]
                 )
-                # 0 workers: all the work is this process's, and its CPU time holds where other jobs share the cores
-                by_cpu = [t / o for t, o in zip(cpu["trainkit"], cpu[other], strict=True)]
-                row[f"{key}_cpu"] = statistics.median(by_cpu) if workers == 0 else None
+                # by the CPU time of the process and its workers: the figure that holds where other jobs share the
+                # cores (an epoch's workers are persistent: started in the warm-up, before any timing)
+                row[f"{key}_cpu"] = statistics.median([t / o for t, o in zip(cpu["trainkit"], cpu[other], strict=True)])
         row["rounds"] = args.rounds
         rows.append(row)
         del loaders  # their persistent workers end with them
@@ -352,8 +370,8 @@ def table(rows: list[dict]) -> str:
     def ratio(r: dict, key: str) -> str:
         if key not in r:
             return "- | -"
-        q, cpu = r[f"{key}_quartiles"], r[f"{key}_cpu"]
-        return f"{r[key]:.3f} ({q[0]:.3f}-{q[1]:.3f}) | {'-' if cpu is None else f'{cpu:.3f}'}"
+        q = r[f"{key}_quartiles"]
+        return f"{r[key]:.3f} ({q[0]:.3f}-{q[1]:.3f}) | {r[f'{key}_cpu']:.3f}"
 
     for r in rows:
         if r["section"] == "cache":

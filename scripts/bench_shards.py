@@ -51,6 +51,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,7 +143,7 @@ def write_digits(root: Path, count: int) -> Path:
         image = np.roll(pixels[n % len(pixels)], n // len(pixels), axis=1)
         directory = root / split / str(digits.target[n % len(pixels)])
         directory.mkdir(parents=True, exist_ok=True)
-        big = Image.fromarray(image).resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR).convert("RGB")
+        big = Image.fromarray(image).resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BILINEAR).convert("RGB")
         big.save(directory / f"{i}.png")
     return root
 
@@ -241,7 +242,7 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 
 
 def compare(section: str, folder: Path, decode, args, memmap=None) -> list[dict]:
-    train = shards.splits(path=str(folder), window=args.window)[0]
+    train: Any = shards.splits(path=str(folder), window=args.window)[0]  # a ShardSplit
     rows = []
     for workers in args.workers:
         loaders = {
@@ -305,10 +306,10 @@ def bench_cache(args, work: Work) -> list[dict]:
     with serving() as server, tempfile.TemporaryDirectory(dir=work.root) as cache:
         url = server.bucket("bench") + "/tokens"
         shard_store.upload(folder, url)
-        shard_store._gopen = counted  # type: ignore[assignment]  # what the Store registers with webdataset
+        shard_store._gopen = counted  # what the Store registers with webdataset
         try:
-            train = shards.splits(
-                path=url, window=args.cache_window, cache_dir=cache, cache_limit=limit, retries=3, backoff=0.2
+            train: Any = shards.splits(
+                path=url, window=args.cache_window, cache_dir=cache, cache_limit=str(limit), retries=3, backoff=0.2
             )[0]
             where = train.store.cache_dir
             observed, done = [], threading.Event()
@@ -327,7 +328,7 @@ def bench_cache(args, work: Work) -> list[dict]:
             poller.join()
             observed.append(folder_bytes(where))
         finally:
-            shard_store._gopen = opened  # type: ignore[assignment]
+            shard_store._gopen = opened
     assert seen == len(train), (seen, len(train))
     # Each shard once; the next epoch's first window (the first `window` shards of the permutation of (seed 0,
     # epoch 1)), asked for on entering the last window, once more where the cache no longer held it

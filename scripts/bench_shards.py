@@ -21,7 +21,7 @@ scripts/make_shards.py (data=tokens, data.block_size=256: tiles, every token a t
 - `memmap`: the corpus itself, data=tokens' tiles (random_offsets=false: the samples the shards hold) read from the
   memory-mapped train.bin through the same TrainWindows (data.on_device=false: the loader, not the split in memory).
 --images: an image folder of scikit-learn's digits (8x8) upscaled to 32x32 RGB PNGs, --num-images of them (the
-1797 digits again, each round rolled by one more pixel), written by make_shards (data=image_folder,
+1797 digits again, each pass rolled by one more pixel), written by make_shards (data=image_folder,
 data.image_size=32, mean 0.5 / std 0.25 given) into shards of --image-shard-count images; `trainkit` and
 `webdataset` as above, both decoding with PIL to RGB and applying image_folder's train transform (RandomResizedCrop
 32, flip, ToTensor, Normalize; trainkit also seeds torch's generator per sample: draws_random="torch").

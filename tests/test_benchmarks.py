@@ -273,3 +273,25 @@ def test_bench_hf_times_trainkit_trainer_and_a_plain_loop_that_train_alike(monke
         assert stdout.count(f"ratio trainkit / {name}:") == 1, stdout
         difference = float(stdout.split(f"from trainkit's after 8 steps, {name}: ")[1].split()[0])
         assert difference < 1e-6, stdout
+
+
+def test_bench_shards_reads_every_sample_every_way_and_holds_the_url_cache_to_its_limit(tmp_path):
+    """scripts/bench_shards.py --quick at 0 workers: trainkit's loader over the token and image shards, webdataset's
+    over the same files and the memory-mapped corpus each read the epoch's every sample (the script counts them), the
+    rows and the table are printed; the shards read from an S3 server on localhost: each downloaded once, none again,
+    the cache never past its limit plus the two shards a reader and its prefetch thread may be downloading."""
+    out = tmp_path / "bench.json"
+    stdout = run_script("scripts/bench_shards.py", "--quick", "--workers", "0", "--out", str(out))
+    tokens, images, cache = json.loads(out.read_text())
+    assert [(r["section"], r.get("workers")) for r in (tokens, images, cache)] == [
+        ("tokens", 0),
+        ("images", 0),
+        ("cache", None),
+    ]
+    assert tokens["shards"] > 4 and images["samples"] == 128
+    assert all(r[k] > 0 for r in (tokens, images) for k in ("trainkit", "webdataset", "ratio")) and tokens["memmap"] > 0
+    assert (cache["unread"], cache["refetched"]) == (0, 0) and cache["downloads"] >= cache["shards"] > 2 * cache[
+        "window"
+    ]
+    assert 0 < cache["max_cache"] <= cache["cache_limit"] + 2 * cache["shard_bytes"]
+    assert "| tokens | 0 |" in stdout and "| images | 0 |" in stdout and "cache (s3:// on localhost" in stdout

@@ -101,6 +101,34 @@ def test_every_sample_of_every_split_is_the_source_s_sample(made, name):
     assert pickle.loads(pickle.dumps(ours[1]))[3] is not None  # a spawned loader worker's copy reads too
 
 
+def test_read_npy_gives_what_numpy_s_reader_gives_for_every_layout():
+    """shards.read_npy (each header parsed once a process) against np.lib.format.read_array: dtype, shape, values,
+    memory order and a writable copy, for what np.save writes (C and Fortran order, 0-d, empty, big-endian,
+    structured, strings; format versions 1, 2 and 3); a member cut short raises as numpy's reader does."""
+    arrays = [
+        np.arange(256),
+        np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+        np.asarray(3.5),
+        np.asarray(True),
+        np.zeros((3, 0, 2), np.float32),
+        np.arange(6, dtype=">i4").reshape(2, 3),
+        np.arange(12, dtype=np.float16).reshape(3, 4),
+        np.array(["ab", "c"]),
+        np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
+    ]
+    members = [shards.npy(a) for a in arrays]
+    for version in ((2, 0), (3, 0)):
+        written = io.BytesIO()
+        np.lib.format.write_array(written, arrays[1], version=version)
+        members.append(written.getvalue())
+    for member in members * 2:  # the second time from the parsed header
+        theirs, ours = np.lib.format.read_array(io.BytesIO(member)), shards.read_npy(member)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and np.array_equal(ours, theirs)
+        assert ours.flags.f_contiguous == theirs.flags.f_contiguous and ours.flags.writeable
+    with pytest.raises(ValueError):
+        shards.read_npy(members[0][:-8])
+
+
 def test_the_manifest_records_the_shards_the_source_its_keys_and_task(made):
     manifests = {name: json.loads((made[name][0] / "manifest.json").read_text()) for name in SOURCES}
     digits = manifests["digits"]

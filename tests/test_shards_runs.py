@@ -79,7 +79,8 @@ def test_shards_in_an_object_store_through_a_small_cache_and_the_store_going_dow
     windows and one): 40 steps end on the weights of the same run from the local dir, bit for bit, the cache never
     past its limit by more than the shard in flight. Then the server goes down after 6 more shard downloads:
     retries, one line naming the shard's URL, the last step's checkpoint; once it is back, the same command resumes
-    and ends on those weights too. The credentials (from the environment) are in no file of the run dir."""
+    and ends on those weights too (a start while it is down: one line, data.retries' tries). The credentials (from
+    the environment) are in no file of the run dir."""
     url = s3_server.bucket("shards") + "/digits"
     upload(sets / "a", url)
     limit = 5 * max(p.stat().st_size for p in (sets / "a").glob("train-*.tar"))  # 2 windows (read, prefetched) + 1
@@ -100,6 +101,11 @@ def test_shards_in_an_object_store_through_a_small_cache_and_the_store_going_dow
     step = int(written.name.removeprefix("step_").removesuffix(".pt"))
     assert line.startswith(f"error: {url}/train-") and "unavailable after 2 tries" in line and 0 < step < 40
     assert line.endswith(f"checkpoint of step {step} written: the same command resumes once it is back")
+    fresh = cli_in_process(capfd, tmp_path / "fresh", *remote, "data.retries=1")  # a start while it is down
+    assert fresh.returncode == 2 and not (tmp_path / "fresh").exists()
+    assert fresh.stderr.strip() == f"error: {url}/manifest.json: unavailable after 1 try: EndpointConnectionError: " + (
+        f'Could not connect to the endpoint URL: "{s3_server.endpoint}/shards/digits/manifest.json"'
+    )
     s3_server.start()
     back = cli_in_process(capfd, tmp_path / "down", *remote, f"data.cache_dir={tmp_path / 'cold'}")
     assert back.returncode == 0, back.stderr

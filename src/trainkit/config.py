@@ -239,10 +239,12 @@ def check(cfg: DictConfig) -> None:
         OmegaConf.to_container(cfg, resolve=True)
     except InterpolationResolutionError as error:
         cause: BaseException | None = error  # a resolver's own ConfigError (e.g. ${micro_batch:}) says it best
-        while cause is not None and not isinstance(cause, ConfigError):
+        while cause is not None and not isinstance(
+            cause, ConfigError | RunError
+        ):  # RunError: a store's DataUnavailable
             cause = cause.__cause__ or cause.__context__  # OmegaConf re-raises it wrapped, twice
         text = str(cause) if cause is not None else str(error.msg).splitlines()[0]
-        if re.match(r"[\w.]+=", text):  # it names its own key and value (data.path=...): not the interpolating key's
+        if isinstance(cause, RunError) or re.match(r"[\w.]+=", text):  # it names what it is about (data.path=...)
             raise ConfigError(text) from None
         raise ConfigError(f"{error.full_key}: {text}") from None
     if not 0 <= cfg.seed <= MAX_SEED:  # numpy's range; SeedSequence refuses negative seeds

@@ -238,28 +238,31 @@ def write_order(samples: int, seed: int, shuffle: bool) -> np.ndarray:
 # --- the manifest ----------------------------------------------------------------------------------------------------
 
 
+READING: tuple[tuple[str, Any], ...] = (("retries", 5), ("backoff", 1.0))  # the manifest read as the shards are
+
+
 def _store(location: str, key: str, settings: Mapping | None = None) -> Store:
     return Store(location, **dict(settings or {}), key=key)
 
 
 @functools.lru_cache(maxsize=64)
-def _manifest_text(location: str, key: str, stamp: int | None) -> str:
+def _manifest_text(location: str, key: str, stamp: int | None, retries: int, backoff: float) -> str:
     try:
-        return _store(location, key).read_text(MANIFEST)
+        return _store(location, key, {"retries": retries, "backoff": backoff}).read_text(MANIFEST)
     except ConfigError as error:  # no such dir, or no manifest in it (the store's line names which)
         raise ConfigError(f"{error}: scripts/make_shards.py writes a shard set") from None
 
 
-def manifest_text(location: str, key: str = "data.path") -> str:
-    """manifest.json's text (read once a process; a local one again where it changed)."""
+def manifest_text(location: str, key: str = "data.path", retries: int = 5, backoff: float = 1.0) -> str:
+    """manifest.json's text (read once a process; a local one again where it changed), retried as data.retries says."""
     local = Path(location) / MANIFEST
     stamp = local.stat().st_mtime_ns if "://" not in location and local.is_file() else None
-    return _manifest_text(location, key, stamp)
+    return _manifest_text(location, key, stamp, retries, backoff)
 
 
-def read_manifest(location: str, key: str = "data.path") -> dict:
+def read_manifest(location: str, key: str = "data.path", retries: int = 5, backoff: float = 1.0) -> dict:
     try:
-        manifest = json.loads(manifest_text(location, key))
+        manifest = json.loads(manifest_text(location, key, retries, backoff))
     except json.JSONDecodeError as error:
         raise ConfigError(f"{key}={location}: {MANIFEST} is no JSON ({error}): write the shard set again") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -319,7 +322,10 @@ def data_key(key: str, path: str | None = None, sources: Any = None, *, _root_: 
     MODEL_KEYS default where the source had none. The config's task is checked first: a model's key of another
     task's samples (num_classes of tokens) would fail to resolve with a message about the model."""
     found = locations(path, sources)
-    reference = agreed({name: read_manifest(location, k) for name, location, k, _ in found})
+    retries, backoff = (
+        OmegaConf.select(_root_, f"data.{k}", default=d) if _root_ is not None else d for k, d in READING
+    )
+    reference = agreed({name: read_manifest(location, k, retries, backoff) for name, location, k, _ in found})
     task = OmegaConf.select(_root_, "task._target_", default=None) if _root_ is not None else None
     refuse_task(task, reference, path or f"data.sources.{found[0][0]} ({found[0][1]})")
     value = reference["keys"].get(key, MODEL_KEYS.get(key))
@@ -566,17 +572,22 @@ def splits(
         raise ConfigError("data.epoch_samples sets a mixture's epoch (data.sources); a shard set's is its train split")
     settings = {"cache_dir": cache_dir, "cache_limit": cache_limit, "retries": retries, "backoff": backoff}
     found = locations(path, sources)
-    manifests = {name: read_manifest(location, key) for name, location, key, _ in found}
+    manifests = {name: read_manifest(location, key, retries, backoff) for name, location, key, _ in found}
     reference = agreed(manifests)
     made = {
         name: [ShardSplit(location, key, settings, split, manifests[name], window) for split in SPLITS]
         for name, location, key, _ in found
     }
     identity: dict[str, Any] = {
-        f"data.shards.{name}": {"sha256": _sha(manifest_text(location, key)), "source": f"{MANIFEST} of {location}"}
+        f"data.shards.{name}": {
+            "sha256": _sha(manifest_text(location, key, retries, backoff)),
+            "source": f"{MANIFEST} of {location}",
+        }
         for name, location, key, _ in found
     }
-    files = {f"shards/{name}.{MANIFEST}": manifest_text(location, key) for name, location, key, _ in found}
+    files = {
+        f"shards/{name}.{MANIFEST}": manifest_text(location, key, retries, backoff) for name, location, key, _ in found
+    }
     kept: dict[str, str] = {}
     for name, splits_of in made.items():
         for file, text in _source_files(splits_of[0].store, manifests[name]).items():
@@ -631,7 +642,8 @@ def check(cfg) -> None:
     window = node.get("window", 4)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"data.window={window} must be an integer >= 1")
-    manifests = {name: read_manifest(location, key) for name, location, key, _ in found}
+    retries, backoff = (node.get(key, default) for key, default in READING)
+    manifests = {name: read_manifest(location, key, retries, backoff) for name, location, key, _ in found}
     reference = agreed(manifests)
     task = OmegaConf.select(cfg, "task._target_", default=None)
     refuse_task(task, reference, node.get("path") or f"data.sources.{found[0][0]} ({found[0][1]})")

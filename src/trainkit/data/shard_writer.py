@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainkit.data import shards
 from trainkit.data.shard_store import Store, upload
+from trainkit.data.tokens import sha256_file
 from trainkit.errors import ConfigError
 
 # The data keys that are no fact about the samples: what the loader does with them (trainkit.schema.Data's)
@@ -100,14 +101,6 @@ def write_split(dataset: Any, split: str, folder: Path, images: bool, seed: int,
     return [{"name": name, "samples": n} for name, n in counts.items()], ("image" if images else "tensors"), structure
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write(
     cfg: DictConfig,
     task: str,
@@ -170,7 +163,7 @@ def write(
                 dataset, split, stage, image_folder(dataset, train), seed, shuffle, (shard_size, max_count), progress
             )
             for shard in written:
-                shard |= {"bytes": (stage / shard["name"]).stat().st_size, "sha256": _sha256(stage / shard["name"])}
+                shard |= {"bytes": (stage / shard["name"]).stat().st_size, "sha256": sha256_file(stage / shard["name"])}
             samples = sum(s["samples"] for s in written)
             manifest["splits"][split] = {"shards": written, "samples": samples, "kind": kind, "structure": structure}
             manifest["samples"] += samples

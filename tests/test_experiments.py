@@ -2,6 +2,9 @@
 the accumulation sweep keeps its global batch, and the pieces the CIFAR-10 recipe adds: label
 smoothing, the micro_batch resolver, reproducible augmentation."""
 
+import contextlib
+import importlib.util
+import io
 import os
 import pickle
 import re
@@ -73,11 +76,58 @@ def cifar_root(tmp_path_factory) -> Path:
     return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
 
 
+def script(name: str):
+    """scripts/<name>.py as a module (its main(argv) -> exit status), in this process."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def reads_shards(name: str) -> bool:
+    return "override /data: shards" in (CONF / "experiment" / f"{name}.yaml").read_text()
+
+
+def make_shard_sets(base: Path) -> Path:
+    """$TRAINKIT_DATA of the data=shards experiments with what their yaml's setup commands make, from generated
+    stand-ins (a few kB, about a second): shards/pydoc_bytes and shards/cpython_bytes (two bytes corpora of
+    generated files, the experiment's blocks of 128), shards/digits_folder (an image folder of 3 classes)."""
+    from test_image_folder import make_folder
+    from test_tokens import write_sources
+
+    from trainkit.data.corpus import prepare
+
+    texts = write_sources(base / "texts")  # two folders of 6 files: a corpus each
+    for name, folder in (("pydoc_bytes", "lib"), ("cpython_bytes", "pkg")):
+        prepare([str(texts / folder)], str(base / name), "bytes", val_fraction=1 / 6, progress=False)
+    make_folder(base / "digits_folder", {"train": 3, "val": 1, "test": 1})
+    sets = {
+        "pydoc_bytes": ["data=tokens"],
+        "cpython_bytes": ["data=tokens"],
+        "digits_folder": ["data=image_folder", "data.image_size=16", "max_count=4"],
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, args in sets.items():
+            out = base / "shards" / name
+            assert script("make_shards").main([*args, f"data.root={base / name}", f"out={out}"], progress=False) == 0
+    return base
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory) -> Path:
+    return make_shard_sets(tmp_path_factory.mktemp("shards_data"))
+
+
 @pytest.fixture(autouse=True)
 def tokens_data(request, tmp_path_factory, monkeypatch):
-    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there. Every
-    other experiment's $TRAINKIT_DATA is a temp dir too: what one prepares there (hf_lm_pydoc's tokenizer) is never
-    written into the checkout's data/."""
+    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there; an
+    experiment of data=shards reads the shard sets of make_shard_sets there. Every other experiment's
+    $TRAINKIT_DATA is a temp dir too: what one prepares there (hf_lm_pydoc's tokenizer) is never written into the
+    checkout's data/."""
+    name = request.node.callspec.params.get("name", "") if hasattr(request.node, "callspec") else ""
+    if name and reads_shards(name):
+        monkeypatch.setenv("TRAINKIT_DATA", str(request.getfixturevalue("shard_sets")))
+        return
     if "cpython_code_gpt" not in request.node.name:
         monkeypatch.setenv("TRAINKIT_DATA", str(tmp_path_factory.getbasetemp() / "trainkit_data"))
         return

@@ -291,3 +291,23 @@ def test_a_parent_declared_under_a_key_that_is_no_setting_is_refused():
     cfg.parents = {"model.init.form": ["+experiment=digits_simclr"]}  # misspelt: no test would make its parent
     with pytest.raises(ConfigError, match=r"parents.model.init.form: there is no setting model.init.form"):
         config.check(cfg)
+
+
+def test_digits_folder_writes_data_digits_split_as_pngs_an_image_folder_reads_back(tmp_path, capsys):
+    """scripts/digits_folder.py (+experiment=shards_digits_cnn's folder): data=digits' train / val / test, each image
+    a class folder's 8x8 PNG whose pixels are the digit's, 0..16 scaled to 0..255; an out that holds files refused."""
+    from PIL import Image
+
+    from trainkit.data.digits import digits
+
+    folders = script("digits_folder")
+    assert folders.main([str(tmp_path / "digits")]) == 0
+    for split, data in zip(("train", "val", "test"), digits(), strict=True):
+        files = sorted((tmp_path / "digits" / split).glob("*/*.png"))
+        assert len(files) == len(data) and {f.parent.name for f in files} == {str(c) for c in range(10)}
+        for path in files[:: len(files) // 7]:  # a few of each split, across the classes
+            x, y = data[int(path.stem)]
+            assert path.parent.name == str(int(y))
+            assert np.array_equal(np.asarray(Image.open(path)), (x[0] * 255).round().byte().numpy())
+    assert folders.main([str(tmp_path / "digits")]) == 2
+    assert "exists and holds files" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Tokenize text files into a corpus for data=tokens (trainkit/data/corpus.py):
 
     python scripts/prepare_text.py FILES_OR_DIRS --out DIR [--tokenizer bytes|bpe|<HF tokenizer> --vocab-size N]
-        [--val-fraction F] [--test-fraction F] [--glob '*.py' ...] [--exclude test ...] [--seed S]
+        [--val-fraction F] [--test-fraction F] [--glob '*.py' ...] [--exclude test ...] [--seed S] [--pydoc]
 
 writes DIR/train.bin, val.bin, test.bin, tokenizer.json and meta.json, and prints the throughput.
 
@@ -15,6 +15,7 @@ documents, no test pass (each said once at the start).
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -25,7 +26,7 @@ from trainkit.errors import ConfigError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="+", help="text files, or folders searched recursively")
+    parser.add_argument("inputs", nargs="*", help="text files, or folders searched recursively")
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--tokenizer",
@@ -41,10 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--glob", action="append", help="in folders (default: *.py and *.txt)")
     parser.add_argument("--exclude", action="append", default=[], help="skip folders of this name")
     parser.add_argument("--seed", type=int, default=0, help="of the split's permutation")
+    parser.add_argument("--pydoc", action="store_true", help="CPython's documentation as documents, one a topic")
     args = parser.parse_args(argv)
+    if not args.inputs and not args.pydoc:
+        parser.error("give text files or folders, or --pydoc")
+    with tempfile.TemporaryDirectory() as folder:
+        return prepared(args, args.inputs + (pydoc_files(Path(folder)) if args.pydoc else []))
+
+
+def pydoc_files(folder: Path) -> list[str]:
+    """pydoc_data.topics written into `folder`, a file a topic (<name>.txt): documents as prepare() reads them (the
+    corpus's checksum names them relative to the folder, so it is the same whichever temp folder held them)."""
+    from trainkit.data.pydoc_text import documents
+
+    paths = []
+    for name, text in documents().items():
+        (path := folder / f"{name}.txt").write_bytes(text.encode())
+        paths.append(str(path))
+    return paths
+
+
+def prepared(args: argparse.Namespace, inputs: list[str]) -> int:
     try:
         meta = prepare(
-            args.inputs,
+            inputs,
             args.out,
             args.tokenizer,
             args.vocab_size,

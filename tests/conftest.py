@@ -23,7 +23,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--figures",
         action="store_true",
-        help="run the shipped experiments' full recipes over seeds 0-2 (tests/test_figures.py, about half an hour)",
+        help="run the shipped experiments' full recipes over seeds 0-2 (tests/test_figures.py, about 50 minutes)",
     )
 
 

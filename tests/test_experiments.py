@@ -2,6 +2,9 @@
 the accumulation sweep keeps its global batch, and the pieces the CIFAR-10 recipe adds: label
 smoothing, the micro_batch resolver, reproducible augmentation."""
 
+import contextlib
+import importlib.util
+import io
 import os
 import pickle
 import re
@@ -73,11 +76,58 @@ def cifar_root(tmp_path_factory) -> Path:
     return write_fake_cifar10(tmp_path_factory.mktemp("cifar"))
 
 
+def script(name: str):
+    """scripts/<name>.py as a module (its main(argv) -> exit status), in this process."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def reads_shards(name: str) -> bool:
+    return "override /data: shards" in (CONF / "experiment" / f"{name}.yaml").read_text()
+
+
+def make_shard_sets(base: Path) -> Path:
+    """$TRAINKIT_DATA of the data=shards experiments with what their yaml's setup commands make, from generated
+    stand-ins (a few kB, about a second): shards/pydoc_bytes and shards/cpython_bytes (two bytes corpora of
+    generated files, the experiment's blocks of 128), shards/digits_folder (an image folder of 3 classes)."""
+    from test_image_folder import make_folder
+    from test_tokens import write_sources
+
+    from trainkit.data.corpus import prepare
+
+    texts = write_sources(base / "texts")  # two folders of 6 files: a corpus each
+    for name, folder in (("pydoc_bytes", "lib"), ("cpython_bytes", "pkg")):
+        prepare([str(texts / folder)], str(base / name), "bytes", val_fraction=1 / 6, progress=False)
+    make_folder(base / "digits_folder", {"train": 3, "val": 1, "test": 1})
+    sets = {
+        "pydoc_bytes": ["data=tokens"],
+        "cpython_bytes": ["data=tokens"],
+        "digits_folder": ["data=image_folder", "data.image_size=16", "max_count=4"],
+    }
+    with contextlib.redirect_stdout(io.StringIO()):
+        for name, args in sets.items():
+            out = base / "shards" / name
+            assert script("make_shards").main([*args, f"data.root={base / name}", f"out={out}"], progress=False) == 0
+    return base
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory) -> Path:
+    return make_shard_sets(tmp_path_factory.mktemp("shards_data"))
+
+
 @pytest.fixture(autouse=True)
 def tokens_data(request, tmp_path_factory, monkeypatch):
-    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there. Every
-    other experiment's $TRAINKIT_DATA is a temp dir too: what one prepares there (hf_lm_pydoc's tokenizer) is never
-    written into the checkout's data/."""
+    """+experiment=cpython_code_gpt reads $TRAINKIT_DATA/cpython_bpe: a BPE corpus of generated files there; an
+    experiment of data=shards reads the shard sets of make_shard_sets there. Every other experiment's
+    $TRAINKIT_DATA is a temp dir too: what one prepares there (hf_lm_pydoc's tokenizer) is never written into the
+    checkout's data/."""
+    name = request.node.callspec.params.get("name", "") if hasattr(request.node, "callspec") else ""
+    if name and reads_shards(name):
+        monkeypatch.setenv("TRAINKIT_DATA", str(request.getfixturevalue("shard_sets")))
+        return
     if "cpython_code_gpt" not in request.node.name:
         monkeypatch.setenv("TRAINKIT_DATA", str(tmp_path_factory.getbasetemp() / "trainkit_data"))
         return
@@ -241,3 +291,23 @@ def test_a_parent_declared_under_a_key_that_is_no_setting_is_refused():
     cfg.parents = {"model.init.form": ["+experiment=digits_simclr"]}  # misspelt: no test would make its parent
     with pytest.raises(ConfigError, match=r"parents.model.init.form: there is no setting model.init.form"):
         config.check(cfg)
+
+
+def test_digits_folder_writes_data_digits_split_as_pngs_an_image_folder_reads_back(tmp_path, capsys):
+    """scripts/digits_folder.py (+experiment=shards_digits_cnn's folder): data=digits' train / val / test, each image
+    a class folder's 8x8 PNG whose pixels are the digit's, 0..16 scaled to 0..255; an out that holds files refused."""
+    from PIL import Image
+
+    from trainkit.data.digits import digits
+
+    folders = script("digits_folder")
+    assert folders.main([str(tmp_path / "digits")]) == 0
+    for split, data in zip(("train", "val", "test"), digits(), strict=True):
+        files = sorted((tmp_path / "digits" / split).glob("*/*.png"))
+        assert len(files) == len(data) and {f.parent.name for f in files} == {str(c) for c in range(10)}
+        for path in files[:: len(files) // 7]:  # a few of each split, across the classes
+            x, y = data[int(path.stem)]
+            assert path.parent.name == str(int(y))
+            assert np.array_equal(np.asarray(Image.open(path)), (x[0] * 255).round().byte().numpy())
+    assert folders.main([str(tmp_path / "digits")]) == 2
+    assert "exists and holds files" in capsys.readouterr().err

@@ -348,3 +348,24 @@ def test_a_uint32_corpus_reads_the_same_tokens_as_uint16(corpora, tmp_path, monk
     for i in range(len(narrow[1])):
         assert all(torch.equal(p, q) for p, q in zip(wide[1][i], narrow[1][i], strict=True))
     assert all(torch.equal(wide[0].seeded(i, 7 * i)[0], narrow[0].seeded(i, 7 * i)[0]) for i in range(len(narrow[0])))
+
+
+def test_pydoc_makes_cpythons_documentation_a_corpus_of_its_topics_the_same_from_any_temp_folder(tmp_path, capsys):
+    """prepare_text.py --pydoc: pydoc_data.topics (data=pydoc_text's text) a document a topic, each byte-exact between
+    its end-of-text tokens; the corpus (its checksum names the topics' files relative to their temp folder) is the
+    same on a second run (+experiment=shards_mixture_gpt's docs source)."""
+    from trainkit.data.pydoc_text import documents
+
+    script = _script()
+    for out in ("a", "b"):
+        assert script.main(["--pydoc", "--out", str(tmp_path / out)]) == 0
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    assert sum(meta["documents"].values()) == len(documents()) and meta["documents"]["val"] >= 1
+    ids = np.concatenate([np.fromfile(tmp_path / "a" / f"{s}.bin", dtype=np.uint16) for s in tokens.SPLITS])
+    ends = np.flatnonzero(ids == tokens.BYTES_EOT)  # ids < 256 are the bytes; each document followed by the EOT
+    texts = [bytes(ids[a + 1 : b].astype(np.uint8)).decode() for a, b in zip([-1, *ends[:-1]], ends, strict=True)]
+    assert ends[-1] == len(ids) - 1 and sorted(texts) == sorted(documents().values())
+    assert (tmp_path / "a" / "meta.json").read_text() == (tmp_path / "b" / "meta.json").read_text()
+    with pytest.raises(SystemExit):
+        script.main(["--out", str(tmp_path / "c")])  # neither files nor --pydoc
+    assert "give text files or folders, or --pydoc" in capsys.readouterr().err

@@ -357,3 +357,25 @@ def test_data_shards_trains_end_to_end_and_keeps_the_manifest(made, tmp_path):
     assert [r["step"] for r in found if "loss" in r] == [2, 4] and "val/acc" in found[-1]
     assert (tmp_path / "run" / "shards" / "train.manifest.json").read_text() == (folder / "manifest.json").read_text()
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+def test_a_mixture_of_two_corpora_of_one_tokenizer_is_one_vocabulary_another_tokenizer_is_refused(made, tmp_path):
+    """Two bytes corpora differ in their meta.json's counts and checksums, not in their vocabulary: they mix (the run
+    dir keeps the first source's meta.json); a BPE corpus beside a bytes one is refused in one line."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for f in range(12):  # documents: train, val and test keep one each
+        (texts / f"other{f}.py").write_text("\n".join(f"x_{i} = {i} * {f}" for i in range(60)))
+    for name, tokenizer in (("bytes", "bytes"), ("bpe", "bpe")):
+        prepare([str(texts)], str(tmp_path / f"{name}_corpus"), tokenizer, 300, progress=False)
+        args = ["data=tokens", "data.block_size=16", f"data.root={tmp_path / f'{name}_corpus'}", "max_count=50"]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert script().main([*args, f"out={tmp_path / name}"], progress=False) == 0
+    corpus = str(made["tokens"][0])
+    train = shards.splits(sources={"a": {"path": corpus}, "b": {"path": str(tmp_path / "bytes")}})[0]
+    assert (
+        isinstance(train, Mixture)
+        and train.files["meta.json"] == (made["tokens"][0] / "files" / "meta.json").read_text()
+    )
+    with pytest.raises(ConfigError, match="data.sources: a and b differ in"):
+        shards.splits(sources={"a": {"path": corpus}, "b": {"path": str(tmp_path / "bpe")}})

@@ -552,6 +552,21 @@ def _source_files(store: Store, manifest: dict) -> dict[str, str]:
     return {name: store.read_text(f"files/{name}") for name in manifest.get("files", {})}
 
 
+# A token corpus's meta.json (trainkit/data/tokens.py) describes its corpus too (documents, token counts, checksums):
+# two corpora of one tokenizer differ there. Their vocabulary is these fields; the run dir keeps the first source's.
+_META_VOCABULARY = ("vocab_size", "tokenizer", "eot", "bos", "pad", "dtype")
+
+
+def _vocabulary(file: str, text: str) -> str:
+    """What of a source's file must be the same in every source of a mixture: all of it, but of a meta.json its
+    vocabulary (and its tokenizer's checksum)."""
+    if Path(file).name != "meta.json":
+        return text
+    meta = json.loads(text)
+    tokenizer_sha = meta.get("sha256", {}).get("tokenizer")
+    return json.dumps([meta.get(key) for key in _META_VOCABULARY] + [tokenizer_sha])
+
+
 def splits(
     path: str | None = None,
     sources: dict[str, Any] | None = None,
@@ -591,7 +606,7 @@ def splits(
     kept: dict[str, str] = {}
     for name, splits_of in made.items():
         for file, text in _source_files(splits_of[0].store, manifests[name]).items():
-            if kept.setdefault(file, text) != text:
+            if _vocabulary(file, kept.setdefault(file, text)) != _vocabulary(file, text):
                 raise ConfigError(
                     f"data.sources: {name} carries another {file} than {found[0][0]} (its source's): a mixture's "
                     "samples must share it (one vocabulary)"

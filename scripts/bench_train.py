@@ -301,8 +301,6 @@ def interleaved(
         now = clock()
         if done > warm:
             seconds["trainkit"].append(now - last)
-        elif WAITED is not None:  # the data waits of the timed segments only
-            WAITED.clear()
         turn = done // every % len(loops) if rotate else 0
         for name, loop in loops[turn:] + loops[:turn]:
             started = clock()
@@ -310,15 +308,21 @@ def interleaved(
             synchronize(d)
             if done > warm:
                 seconds[name].append(clock() - started)
+        if done == warm and WAITED is not None:  # the data waits of the timed segments only: not the warm-up's,
+            WAITED.clear()  # the guests' included (their start, first epoch: on a loaded machine 13x the timed time)
         last, inside = clock(), False
 
     torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     try:
         trainkit_loop(cfg, d, steps)
     finally:
+        counted = dict(WAITED) if WAITED is not None else None  # the timed segments' data waits
         for loop in plain.values():
             if isinstance(loop, Guest):
                 loop.finish()  # its evaluation and end, after the timed segments
+        if WAITED is not None and counted is not None:  # nor a finishing guest's (outside every timed segment)
+            WAITED.clear()
+            WAITED.update(counted)
         torch.optim.Optimizer.zero_grad = original  # type: ignore[method-assign]
     return seconds
 

@@ -25,6 +25,7 @@ from trainkit.accumulate import sync_context, syncs_now
 from trainkit.autobatch import AutoBatch
 from trainkit.batch import to_device
 from trainkit.cadence import Cadence
+from trainkit.determinism import use_deterministic
 from trainkit.evaluate import evaluate_averaged
 from trainkit.halving import EvalBatches
 from trainkit.loading import TrainWindows
@@ -203,7 +204,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
             for window in range(first_window, steps_per_epoch):
                 if step >= total_steps:
                     break
-                lrs = [group["lr"] for group in parts.optimizer.param_groups]  # the step's, before the schedule moves
+                lrs = [float(group["lr"]) for group in parts.optimizer.param_groups]  # before the schedule moves them
                 try:
                     step_once(parts, windows, window, step)
                 except errors.DataUnavailable as missing:  # all ranks at once (TrainWindows.fetch): keep what ran, stop
@@ -285,6 +286,7 @@ def run(cfg: DictConfig, run_dir: Path, job: int = 0, sweep: bool = False) -> fl
     with config.train_job(run_dir, sweep, cfg.parallel.timeout_s):
         debug.configure(cfg)  # debug=<mode>: its settings over an experiment's (the command line's win)
         config.check(cfg)
+        use_deterministic(cfg.trainer.deterministic)  # before any kernel runs (cuBLAS reads its setting once)
         if launch.wanted(cfg):  # parallel.nproc_per_node=N, no launcher: N workers run this job, as torchrun's would
             return launch.start(cfg, run_dir, job, run)
         # Refused before the group: a rank that refused inside it left its peer's connect with "closed by peer"

@@ -611,6 +611,16 @@ def warning_mlp(**kwargs) -> nn.Module:
     return mlp(**kwargs)
 
 
+def put_mlp(**kwargs) -> nn.Module:
+    """model._target_=helpers.put_mlp: the mlp, its output's first entry rewritten with Tensor.put_ (an operation
+    torch has no deterministic kernel for, on the CPU too: trainer.deterministic=true refuses it)."""
+    from trainkit.models.mlp import mlp
+
+    model = mlp(**kwargs)
+    model.register_forward_hook(lambda module, args, out: out.clone().put_(torch.tensor([0]), out.flatten()[:1]))
+    return model
+
+
 class SlowEvaluation(nn.Module):
     """model._target_=helpers.SlowEvaluation: the mlp, whose evaluation (eval mode) forwards each sleep `seconds`."""
 

@@ -53,6 +53,22 @@ def out_of_memory(error: BaseException) -> bool:
     )
 
 
+_NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation, but you set 'torch.use_deterministic_"
+
+
+def nondeterministic(error: BaseException) -> RunError | None:
+    """torch's refusal of an operation without a deterministic kernel under trainer.deterministic=true (every rank
+    meets it alike), as one line naming the key; None for any other error."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or _NO_DETERMINISTIC_KERNEL not in text:
+        return None
+    operation = text.split(_NO_DETERMINISTIC_KERNEL)[0].strip() or "an operation"
+    return RunError(
+        f"trainer.deterministic=true: {operation} has no deterministic kernel on this device (torch refuses it): "
+        "replace the operation, or run with trainer.deterministic=false"
+    )
+
+
 def user_error(error: BaseException | None) -> ConfigError | RunError | None:
     """The ConfigError/RunError behind `error`, also when hydra.utils.instantiate wrapped it. A
     `_target_` called with arguments it does not take (e.g. `+model.x=1`) is a ConfigError too. An
@@ -63,6 +79,8 @@ def user_error(error: BaseException | None) -> ConfigError | RunError | None:
             f"out of memory: {first} (a smaller data.batch_size, data.batch_size=auto with "
             "accumulation.global_batch_size, or trainer.precision=bf16)"
         )
+    if error is not None and (refused := nondeterministic(error)):
+        return refused
     while error is not None and not isinstance(error, (ConfigError, RunError)):
         if isinstance(error, InstantiationException) and isinstance(error.__cause__, TypeError):
             target = str(error).split("'")[1] if "'" in str(error) else "a _target_"

@@ -39,7 +39,8 @@ from trainkit.errors import ConfigError
 
 GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen", "name")
 FROZEN_BATCHNORM = ("eval", "train")  # optim.frozen_batchnorm
-TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm")  # not the optimizer's
+# optim's keys that are trainkit's, not the optimizer's arguments
+TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm", "compile")
 FUSED = ("auto", True, False)  # optim.fused
 
 
@@ -159,8 +160,11 @@ def build(
     plan_ = plan(optim, model) if groups is None else groups
     kwargs = OmegaConf.to_container(optim, resolve=True)
     assert isinstance(kwargs, dict)
+    compiled = kwargs.get("compile", False)
     for key in TRAINKIT_KEYS:
         kwargs.pop(key, None)
+    if compiled and kwargs.get("fused") == "auto":  # the compiled step is a fused kernel of its own (check: not true)
+        kwargs.pop("fused")
     if kwargs.get("fused") == "auto":  # optim.fused (adamw, sgd); an optimizer without the argument keeps its own
         takes = "fused" in inspect.signature(get_class(kwargs["_target_"])).parameters
         kwargs["fused"] = fused_kernel(device or torch.device("cpu")) if takes else None
@@ -175,13 +179,18 @@ def build(
         raise ConfigError("optim.groups: every parameter is frozen: nothing to train")
     param_groups = []
     for (label, scale, wd), params in by_setting.items():
-        group: dict = {"params": params, "lr": lr * scale}
+        # optim.compile: the lr a tensor, which the schedule fills in place: a changing number would recompile
+        group_lr = torch.tensor(lr * scale, dtype=torch.float64) if compiled else lr * scale
+        group: dict = {"params": params, "lr": group_lr}
         if wd is not None:
             group["weight_decay"] = wd
         if label:  # the rows' lr/<label> (lr_row); torch keeps a group's extra keys, a resume puts back this run's
             group |= {"name": label, "lr_scale": scale}
         param_groups.append(group)
-    return instantiate(kwargs)(param_groups)
+    optimizer = instantiate(kwargs)(param_groups)
+    if compiled:  # bound like the method it replaces (LambdaLR wraps optimizer.step's __func__)
+        optimizer.step = types.MethodType(torch.compile(type(optimizer).step), optimizer)  # type: ignore[method-assign]
+    return optimizer
 
 
 def fused_kernel(device: torch.device) -> bool | None:
@@ -195,6 +204,12 @@ def check(optim: DictConfig) -> None:
     """Values refused before anything runs (the names are checked against the model in `plan`)."""
     if (fused := optim.get("fused", "auto")) not in FUSED:
         raise ConfigError(f"optim.fused={fused} is not one of: auto, true, false")
+    if (compiled := optim.get("compile", False)) not in (True, False):
+        raise ConfigError(f"optim.compile={compiled} must be true or false")
+    if compiled and fused is True:
+        raise ConfigError(
+            "optim.compile=true with optim.fused=true: the compiled step fuses the update itself (use optim.fused=auto)"
+        )
     if (decay := optim.get("layer_decay")) is not None and not (
         isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1
     ):

@@ -50,6 +50,7 @@ class Trainer:
     on_nonfinite: str = "raise"
     compile: Any = False  # false | true | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     tf32: bool = True  # CUDA: fp32 matrix products and convolutions on TF32 tensor cores (trainkit/precision.py)
+    deterministic: bool = False  # deterministic kernels, cuBLAS's workspace, cuDNN's flags (trainkit/determinism.py)
     test: bool = True  # at the end: the best (else last) weights on the test split
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)
     ema: EMA = field(default_factory=EMA)
@@ -159,6 +160,7 @@ class AdamW:
     layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
     frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
     fused: Any = "auto"  # auto: the fused kernel on CUDA, torch's choice elsewhere | true | false (trainkit/optim.py)
+    compile: bool = False  # the optimizer step compiled (torch.compile), its lr a tensor (trainkit/optim.py)
 
 
 @dataclass
@@ -175,6 +177,7 @@ class SGD:
     layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
     frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
     fused: Any = "auto"  # auto: the fused kernel on CUDA, torch's choice elsewhere | true | false (trainkit/optim.py)
+    compile: bool = False  # the optimizer step compiled (torch.compile), its lr a tensor (trainkit/optim.py)
 
 
 @dataclass

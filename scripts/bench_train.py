@@ -6,7 +6,8 @@ process, on the same model, data, optimizer, schedule, clipping and precision.
     e.g. ... model=cnn data=fake trainer.precision=bf16      (on a GPU: trainer.device=cuda)
     ... +experiment=pydoc_gpt --steps 400: the character GPT on CPython's documentation (task=lm)
     ... --suite: the table of docs/performance.md, the default mlp, the cnn and a 1-D conv net at K=1 and K=4
-    ... --compile model=cnn: also trainkit with trainer.compile=true (its own run, compilation left out)
+    ... --compile model=cnn: also trainkit with trainer.compile=true and with optim.compile=true (each its own run,
+        compilation left out), and the optimizer step alone, eager against compiled, interleaved
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 scripts/bench_train.py accumulation.steps=4
         (2-rank DDP: trainkit's loop against plain DDP loops with the same no_sync accumulation)
 
@@ -596,6 +597,35 @@ def call_counts(cfg, d: dist.Dist, steps: int) -> list[tuple[str, float, float]]
     return [("all", sum(a for a, _ in per_step.values()), sum(b for _, b in per_step.values())), *rows]
 
 
+def optimizer_steps(cfg, d: dist.Dist, steps: int = 400, every: int = 10) -> dict[str, float]:
+    """--compile: the optimizer step alone (cfg.optim over the model's parameters, fixed gradients, the lr moved by
+    the schedule), eager and compiled (optim.compile=true; its compilation left out), interleaved in segments of
+    `every` steps as the loops are: us per step of each, by the --clock."""
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model).to(d.device)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    stepping = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        optimizer = optim.build(OmegaConf.merge(cfg.optim, {"compile": compiled}), model, device=d.device)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.multiplier(cfg.sched, 2 * steps))
+        stepping[name] = optimizer, scheduler
+    for p in parameters:
+        p.grad = torch.randn_like(p) * 1e-3
+    seconds = {name: 0.0 for name in stepping}
+    for segment in range(steps // every):
+        for name, (optimizer, scheduler) in stepping.items():
+            synchronize(d)
+            started = clock()
+            for _ in range(every):
+                optimizer.step()
+                scheduler.step()
+            synchronize(d)
+            if segment >= steps // every // 4:  # the first quarter warms up (and compiles)
+                seconds[name] += clock() - started
+    timed = steps - steps // every // 4 * every
+    return {name: 1e6 * total / timed for name, total in seconds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -665,8 +695,16 @@ def main() -> None:
         )
     if args.compile:
         eager = trainkit_loop(cfg, d, args.steps)
-        compiled = trainkit_loop(OmegaConf.merge(cfg, {"trainer": {"compile": True}}), d, args.steps)
-        d.print0(f"trainkit, trainer.compile=true {compiled:>10,.0f} samples/s: {compiled / eager:.2f}x eager")
+        d.print0(f"trainkit, eager                {eager:>10,.0f} samples/s")
+        for compiled_key in ("trainer.compile", "optim.compile"):
+            group, key = compiled_key.split(".")
+            compiled = trainkit_loop(OmegaConf.merge(cfg, {group: {key: True}}), d, args.steps)
+            d.print0(f"trainkit, {compiled_key}=true {compiled:>10,.0f} samples/s: {compiled / eager:.2f}x eager")
+        step = optimizer_steps(cfg, d)
+        d.print0(
+            f"{cfg.optim._target_}.step alone: eager {step['eager']:,.1f} us, compiled {step['compiled']:,.1f} us: "
+            f"{step['eager'] / step['compiled']:.2f}x eager's speed"
+        )
     dist.teardown(finished=True)
 
 

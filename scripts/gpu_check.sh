@@ -141,6 +141,27 @@ train "resnet18 fake bf16" python data=fake model=resnet18 trainer.precision=bf1
 train "gpt addition bf16" python +experiment=addition_gpt trainer.precision=bf16 trainer.max_steps="$(steps 200 1000)"
 train "cnn fp16" python model=cnn trainer.precision=fp16 trainer.max_steps="$(steps 100 300)"
 train "mlp trainer.compile=true" python trainer.compile=true trainer.max_steps="$(steps 100 300)"
+train "mlp optim.compile=true" python optim.compile=true trainer.max_steps="$(steps 100 300)"
+
+# trainer.deterministic=true: the same seed twice, the weights bit-equal (the GPT: its embedding's backward adds
+# with atomics without the switch); a failed run is its own FAILED row.
+same_weights() {
+    "$PY" - "$@" <<'EOF'
+import sys, torch
+a, b = (torch.load(path, weights_only=True) for path in sys.argv[1:])
+differ = [k for k in a if not torch.equal(a[k], b[k])]
+print("bit-equal" if not differ else f"FAILED: {len(differ)} tensors differ, e.g. {differ[0]}")
+EOF
+}
+deterministic=()
+for i in 1 2; do
+    dir="$RUNS/deterministic$i"
+    on_gpu "trainer.deterministic=true: two GPT runs" "$OUT/deterministic$i.log" "$PY" src/train.py \
+        +experiment=addition_gpt trainer.deterministic=true trainer.max_steps="$(steps 100 300)" "hydra.run.dir=$dir" ||
+        break
+    deterministic+=("$dir/model.pt")
+done
+[[ ${#deterministic[@]} -eq 2 ]] && row "trainer.deterministic=true: two GPT runs" "$(same_weights "${deterministic[@]}")"
 
 if [[ $GPUS -ge 2 ]]; then
     train "cnn DDP x$GPUS torch SyncBN" torchrun parallel=ddp parallel.sync_bn=true model=cnn \

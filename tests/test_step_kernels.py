@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from helpers import compose_cfg, rows, run_in_process, weights
+from helpers import compose_cfg, rows, run_distributed, run_in_process, weights
 from trainkit import errors, optim
 from trainkit.config import ConfigError, check
 from trainkit.determinism import CUBLAS_WORKSPACE, use_deterministic
@@ -85,11 +85,18 @@ def test_tf32_is_set_for_cuda_only_and_both_ways():
     assert compose_cfg().trainer.tf32 is True  # the default, as docs/config.md says
 
 
-def test_the_compiled_step_takes_the_eager_steps_and_compiles_once_as_the_lr_moves():
-    lr, graphs = 3e-3, []
-    torch._dynamo.reset()  # another test's compiled code would be counted (or reused) here
+def _compiled_and_eager(rank: int, world_size: int, lr: float) -> tuple[list, list, list]:
+    """In a forked process (the compiler's state and threads stay out of the test process, which later tests fork):
+    the compiled and the eager steps, and the graphs compiled after each compiled step."""
+    graphs: list = []
     compiled = _steps("auto", lr, 5, "optim.compile=true", graphs=graphs)
-    _within_adamws_rounding(compiled, _steps(False, lr), lr, float32_step=True)  # (seen here: 1.4e-5 x lr)
+    return compiled, _steps(False, lr), graphs
+
+
+def test_the_compiled_step_takes_the_eager_steps_and_compiles_once_as_the_lr_moves():
+    lr = 3e-3
+    [(compiled, eager, graphs)] = run_distributed(_compiled_and_eager, 1, lr, group=False)
+    _within_adamws_rounding(compiled, eager, lr, float32_step=True)  # (seen here: 1.4e-5 x lr)
     # The lr is a tensor the schedule fills in place: the first step compiles, the four lrs after it reuse it (a
     # float lr is a constant of the graph: each new value would compile again, up to dynamo's limit, then run eager)
     assert graphs[0] >= 1 and graphs == graphs[:1] * 5, graphs
@@ -101,13 +108,11 @@ def test_a_compiled_step_run_logs_the_steps_lr_and_resumes_bitwise(tmp_path):
     """The engine's side: LambdaLR over the compiled step, the rows' lr (read before the schedule fills the tensor
     in place), a checkpoint holding tensor lrs, a resume; against the eager run of the same config. SGD: the
     weights' differences stay the kernels' rounding (AdamW would turn rounding in a near-zero gradient into an
-    lr-sized jump: its own step is compared above, on fixed gradients)."""
+    lr-sized jump: its own step is compared above, on fixed gradients). The compiled runs in a forked rank."""
     run = ["optim=sgd", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=100", "checkpoint.every=2"]
     run += ["sched=cosine", "sched.warmup_steps=2"]
     run_in_process(tmp_path / "eager", *run)
-    graphs = counters["stats"]["unique_graphs"]
-    run_in_process(tmp_path / "compiled", *run, "optim.compile=true")
-    assert counters["stats"]["unique_graphs"] > graphs  # it did compile
+    run_in_process(tmp_path / "compiled", *run, "optim.compile=true", torchrun=True)
     eager, compiled = rows(tmp_path / "eager", timings=False), rows(tmp_path / "compiled", timings=False)
     assert [r["lr"] for r in compiled] == [r["lr"] for r in eager]  # float64 lrs: exactly the schedule's
     assert eager[1]["lr"] > eager[0]["lr"]  # the warmup moves it
@@ -117,7 +122,7 @@ def test_a_compiled_step_run_logs_the_steps_lr_and_resumes_bitwise(tmp_path):
         assert torch.allclose(final[key], value, rtol=0, atol=4 * 4 * eps * value.abs().max().item()), key
     resumed = tmp_path / "resumed"
     resume = f"checkpoint.resume={tmp_path / 'compiled' / 'checkpoints' / 'step_00000002.pt'}"
-    run_in_process(resumed, *run, "optim.compile=true", resume)
+    run_in_process(resumed, *run, "optim.compile=true", resume, torchrun=True)
     for key, value in final.items():
         assert torch.equal(weights(resumed)[key], value), key
     assert rows(resumed, timings=False)[-1] == compiled[-1]

@@ -46,8 +46,7 @@ def window_batches(s: StepParts, windows: TrainWindows, window: int, step: int) 
     began = time.perf_counter()  # time/data_wait: the share of time the loop waits on the loader
     micro = windows.fetch(window)
     s.meter.data_wait += time.perf_counter() - began
-    # Dropout draws from (seed, step, rank) alone, not from where the batches were loaded (a loader
-    # in this process re-seeds per sample, a worker does not): rule 15; a resume needs no RNG state.
+    # Dropout draws from (seed, step, rank) alone, not from where batches were loaded (rule 15): no RNG state to resume
     seed_step(s.seed, step, s.d.rank, s.d.device)
     items: int | torch.Tensor = windows.samples[window]  # its real samples, all ranks
     if s.task.items_name:  # counted in the data (fetched first, so known before the first backward): one
@@ -154,8 +153,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     # (a resume reads its copy in the run dir; a teacher of other data than cfg.data is refused here)
     task, teacher = teachers.build_task(cfg.task, run_dir, d.device, own=resumed is not None, data=cfg.data)
     net = parent.build_model(cfg, mode)  # cfg.model less model.init; fsdp: maybe on meta, loaded in wrap
-    # model.init.from: a finished run's weights, before wrapping. Not on a resume: its checkpoint holds the
-    # weights, and the parent's dir may be gone (what the run needs of it is in run_dir/parent).
+    # model.init.from: a finished run's weights, before wrapping; not on a resume (its checkpoint holds the weights)
     chained = parent.load_into(net, cfg.model.get("init"), d.print0) if resumed is None else None
     groups = optim.plan(cfg.optim, net)  # by name, on the unwrapped model: carried to DDP's and FSDP's by name
     groups.freeze(net)  # before wrapping: DDP's buckets and FSDP's reduce-scatters hold only the trainable ones

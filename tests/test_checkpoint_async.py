@@ -17,7 +17,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from helpers import ROOT, _env, assert_equal, compose_cfg, rows, run_in_process, weights
+from helpers import ROOT, _entry_point, _env, assert_equal, compose_cfg, rows, run_distributed, run_in_process, weights
 from train import train
 from trainkit import checkpoint
 from trainkit.checkpoint import Checkpointer
@@ -188,6 +188,39 @@ def test_a_run_whose_last_write_failed_ends_non_zero_and_the_same_command_finish
     same_weights(tmp_path, sync_run)
 
 
+def one_process(rank: int, world_size: int, run_dir: str, overrides: tuple[str, ...]) -> int | str | None:
+    """What `python src/train.py` exits with (a forked process: the signal's handlers are its own)."""
+    try:
+        _entry_point("train", run_dir, overrides)
+    except SystemExit as exited:
+        return exited.code
+    return 0
+
+
+def test_a_signal_s_save_is_written_before_the_stop_and_its_failure_is_the_run_s(tmp_path, held, capfd):
+    """SIGUSR1 in step 5 (`python src/train.py` in a forked process): the run stops after step 5's checkpoint,
+    complete when the process exits (status 138); when that write fails, the run says so and exits 3, not "written"."""
+    signalled = ["model._target_=test_preemption.signalling_mlp", "+model.rank=0", "+model.at_forward=5"]
+    signalled += [f"+model.signum={int(signal.SIGUSR1)}", "model.width=32"]
+    held.go.set()
+    for fail, code in ((None, 128 + signal.SIGUSR1), ("step_00000005.tmp", 3)):
+        held.fail = fail
+        run_dir = tmp_path / str(code)
+        overrides = (*RUN, ASYNC, *signalled, f"+model.marker={run_dir}.signalled")
+        codes = run_distributed(one_process, 1, str(run_dir), overrides, group=False)
+        err = capfd.readouterr().err
+        assert codes == [code], err
+        if fail is None:
+            assert "stopped by SIGUSR1 at step 5; checkpoint written" in err
+            assert names(run_dir) == ["best", "step_00000002", "step_00000004", "step_00000005"]
+        else:
+            assert (
+                "error: the checkpoint step_00000005 (OSError: [Errno 28] No space left on device) failed to "
+                "write; the newest is step_00000004: the same command resumes from it" in err
+            ), err
+            assert names(run_dir) == ["best", "step_00000002", "step_00000004"]
+
+
 @pytest.mark.slow
 def test_killed_while_a_write_is_in_flight_resumes_the_previous_checkpoint_bitwise(sync_run, tmp_path, capsys):
     """A real kill -9 of `python src/train.py` while step 6's write is in flight (held there by tests/held_write.py):
@@ -210,8 +243,7 @@ def test_killed_while_a_write_is_in_flight_resumes_the_previous_checkpoint_bitwi
     assert rows(run_dir, timings=False) == rows(sync_run, timings=False)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])  # 2 and 4 s
 def test_two_ranks_resume_from_an_async_checkpoint_as_the_uninterrupted_run(tmp_path, mode):
     run = [*RUN, ASYNC, f"parallel={mode}", "data.batch_size=16", "parallel.timeout_s=60"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

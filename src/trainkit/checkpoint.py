@@ -30,6 +30,7 @@ import warnings
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -38,7 +39,6 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -120,7 +121,7 @@ class Checkpointer:
         # with the main thread's (a mismatch, a hang). Gloo: DCP's async_save needs a CPU backend (NCCL: refused).
         self.group: tdist.ProcessGroup | None = None
         if background and d.distributed:  # every rank builds the Checkpointer at the same point
-            self.group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.group = cast(tdist.ProcessGroup, tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
 
     @classmethod
     def of(cls, cfg: DictConfig, run_dir: Path, d: Dist, mode: str) -> "Checkpointer":
@@ -302,14 +303,16 @@ class Checkpointer:
             # the weights in place); its thread then runs dcp.save, whose collectives (FSDP) use self.group.
             # A thread, not AsyncCheckpointerType.PROCESS: no second interpreter, no shared-memory staging, the
             # group is this process's; the write is I/O and serialization, which leave the GIL to training.
-            write.future = dcp.async_save(  # type: ignore[assignment]  # a Future without an async_stager
+            future = dcp.async_save(
                 entries,
                 checkpoint_id=tmp,
                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),  # DDP: rank 0's buffers, as model.pt
                 process_group=self.group,
                 no_dist=not (self.sharded and self.d.distributed),
             )
-            write.future.add_done_callback(lambda done: self._written(write, done, tmp))
+            assert isinstance(future, Future)  # not an AsyncSaveResponse: no async_stager of ours
+            write.future = future
+            future.add_done_callback(lambda done: self._written(write, done, tmp))
         else:
             write.committed.set()  # nothing to write on this rank
         self.writing = write

@@ -802,7 +802,11 @@ def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None
 
 
 def _layout(sharded: bool) -> str:
-    return "parallel=fsdp (a DCP directory)" if sharded else "parallel=single/ddp (one file)"
+    return (
+        "parallel=fsdp (a DCP directory)"
+        if sharded
+        else "parallel=single/ddp (one file, or checkpoint.async's directory)"
+    )
 
 
 def full_state_dict(model) -> dict:

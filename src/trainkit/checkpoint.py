@@ -295,6 +295,9 @@ class Checkpointer:
             self.d.barrier()  # nobody writes into the leftover rank 0 removes
         entries = {key: state.pop(key) for key in SHARDED if state.get(key) is not None}
         state["sharded_entries"], state["fsdp"] = list(entries), self.sharded
+        if not self.sharded:  # DCP keeps tensors and drops empty containers: their places go to state.pt
+            tensors: dict[str, torch.Tensor] = {}
+            state["skeleton"], entries = _split(entries, "", tensors), tensors
         if self.d.is_main:
             _write(tmp / "state.pt", state)
         write = Write(path, is_step=path != self.best)
@@ -436,7 +439,7 @@ class Checkpointer:
         state["path"], state["sharded"] = str(path), state.pop("fsdp", directory)
         entries = state.pop("sharded_entries", ())
         if directory and not state["sharded"]:  # checkpoint.async's single/DDP directory: read whole, as the file
-            return state | _whole(path)
+            return state | _fill(state.pop("skeleton"), _tensors(path))
         for key in entries:
             if key not in ("model", "optimizer"):  # restore() loads those two
                 state[key] = ShardedEntry(path, key)
@@ -463,17 +466,43 @@ def _failure(error: BaseException) -> str:
     return f"{where}{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
-def _whole(path: Path) -> dict:
-    """A single/DDP DCP directory's entries (model, optimizer, EMA) in full, as torch.load returns a file's:
-    read without a state_dict to fill (torch's dcp_to_torch_save reads so; DCP unpickles: trusted checkpoints).
-    DCP's keys are strings: the optimizer's per-parameter state goes back to its integer keys."""
-    state: dict = {}
+_SLOT = "\x00dcp:"  # a tensor's place in a skeleton (a string no state_dict holds): its key in the DCP directory
+
+
+def _split(obj, key: str, tensors: dict[str, torch.Tensor]):
+    """`obj` with each tensor replaced by its slot, the tensors put in `tensors` under readable keys (model/fc.weight,
+    optimizer/state/0/exp_avg): what single/DDP write with DCP, whose keys are strings and which keeps no empty
+    container (an EMA of a model without buffers; an optimizer without state yet), with the rest (torch.load's with
+    weights_only: plain containers, numbers, the optimizer's integer keys) in state.pt."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj
+        return _SLOT + key
+    if isinstance(obj, dict):  # OrderedDict too (a model's state_dict)
+        return type(obj)((k, _split(v, f"{key}/{k}" if key else str(k), tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, f"{key}/{i}", tensors) for i, v in enumerate(obj))
+    return obj
+
+
+def _fill(obj, tensors: dict):
+    """_split's inverse: the skeleton with its tensors back."""
+    if isinstance(obj, str) and obj.startswith(_SLOT):
+        return tensors[obj[len(_SLOT) :]]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _tensors(path: Path) -> dict:
+    """Every tensor of a single/DDP DCP directory, by key, read without a state_dict to fill (as torch's
+    dcp_to_torch_save reads; DCP unpickles its .metadata: trusted checkpoints only)."""
+    tensors: dict = {}
     _load_state_dict(
-        state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        tensors, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
     )
-    if isinstance(state.get("optimizer"), dict) and "state" in state["optimizer"]:
-        state["optimizer"]["state"] = {int(k): v for k, v in state["optimizer"]["state"].items()}
-    return state
+    return tensors
 
 
 class ShardedEntry:

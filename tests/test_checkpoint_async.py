@@ -80,6 +80,12 @@ def test_async_checkpoints_equal_the_synchronous_ones_and_resume_bitwise(sync_ru
         expected = torch.load(sync_run / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)
         for key in ENTRIES:
             assert_equal(written[key], expected[key], f"step {step}: {key}")
+    best = reader._read(async_run / "checkpoints" / "best")  # step 8's write, hard-linked (no second write)
+    expected = torch.load(sync_run / "checkpoints" / "best.pt", weights_only=True)
+    for key in ENTRIES:
+        assert_equal(best[key], expected[key], f"best: {key}")
+    shards = [async_run / "checkpoints" / name / "__0_0.distcp" for name in ("best", "step_00000008")]
+    assert shards[0].stat().st_ino == shards[1].stat().st_ino
     same_weights(async_run, sync_run)
     assert rows(async_run, timings=False) == rows(sync_run, timings=False)
     # Resumed from the directory of step 4 (in a fresh run dir): the uninterrupted run, bit for bit.
@@ -153,6 +159,27 @@ def test_the_state_is_copied_and_the_next_save_waits_for_the_commit(tmp_path, he
     first = checkpointer._read(tmp_path / "step_00000001")
     assert_equal(dict(first["model"]), at_save, "model")  # the state at the save, not the changed weights
     assert torch.equal(checkpointer._read(tmp_path / "step_00000002")["model"]["weight"], at_save["weight"] + 1)
+
+
+def test_a_best_of_a_checkpoint_s_state_rides_on_its_write_in_flight_or_committed(tmp_path, held):
+    model = torch.nn.Linear(4, 4)
+    checkpointer = Checkpointer(tmp_path, every=1, keep=1, d=CPU, background=True)
+    first = state_of(model, 1)
+    checkpointer.save(1, first)
+    checkpointer.save_best(first)  # in flight: the write becomes best too once committed, and it does not wait
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001.tmp"]
+    held.go.set()
+    checkpointer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_00000001"]
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = state_of(model, 2)
+    checkpointer.save(2, second)
+    assert checkpointer.writing is not None and checkpointer.writing.committed.wait(30)
+    checkpointer.save_best(second)  # committed already: linked at once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_00000002"]  # keep=1: the best stays whole
+    assert torch.equal(checkpointer._read(tmp_path / "best")["model"]["weight"], model.weight)
+    assert [name for name, _ in held.started] == ["step_00000001.tmp", "step_00000002.tmp"]  # two writes, not four
 
 
 def test_a_failed_write_is_one_line_and_the_previous_checkpoint_stays_newest(tmp_path, held, capsys):

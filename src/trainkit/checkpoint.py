@@ -170,7 +170,16 @@ class Checkpointer:
         return self.directory / ("best.pt" if self.directories else "best")
 
     def save_best(self, state: dict) -> Path:
-        """Replace checkpoints/best with `state`, as save() writes a step (every rank calls it)."""
+        """Replace checkpoints/best with `state`, as save() writes a step (every rank calls it). In the
+        background, `state` the step's save in flight holds (a best at a checkpoint's step): that write, once
+        committed, becomes best too (hard links, rank 0): no second copy, and no wait for the first."""
+        write = self.writing
+        if write is not None and write.source is state:  # every rank alike (the writing thread never changes it)
+            with write.lock:
+                write.best, done = self.best, write.decided
+            if done and write.error is None and self.d.is_main:  # committed already: linked here
+                self._best_of(write.path)
+            return self.best
         self.wait()
         path = self._write(self.best, state)
         if not self.background:
@@ -252,13 +261,13 @@ class Checkpointer:
             save_whole(weights, path)
         return [path]
 
-    def _write(self, path: Path, state: dict) -> Path:
-        state = dict(state, ranks=self.d.gather_object(state["ranks"]))
+    def _write(self, path: Path, source: dict) -> Path:
+        state = dict(source, ranks=self.d.gather_object(source["ranks"]))
         tmp = path.with_name(path.name + ".tmp")
         if self.d.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
         if self.background:
-            self._start(path, tmp, state)
+            self._start(path, tmp, state, source)
             return path
         if self.sharded:
             self._save_sharded(path, tmp, state)
@@ -284,7 +293,7 @@ class Checkpointer:
             _write(tmp / "state.pt", state)
             _commit(tmp, path)
 
-    def _start(self, path: Path, tmp: Path, state: dict) -> None:
+    def _start(self, path: Path, tmp: Path, state: dict, source: dict) -> None:
         """checkpoint.async: copy the model, optimizer and EMA state to host memory, and write it to
         `tmp` in the background (FSDP: every rank its shards; single/DDP: rank 0 alone, as the file);
         rank 0 writes state.pt (the small rest) now and renames `tmp` once the write completed."""
@@ -300,7 +309,7 @@ class Checkpointer:
             state["skeleton"], entries = _split(entries, "", tensors), tensors
         if self.d.is_main:
             _write(tmp / "state.pt", state)
-        write = Write(path, is_step=path != self.best)
+        write = Write(path, is_step=path != self.best, source=source)
         if self.sharded or self.d.is_main:
             # async_save returns once its stager copied every tensor (to new host memory: the next steps change
             # the weights in place); its thread then runs dcp.save, whose collectives (FSDP) use self.group.
@@ -332,7 +341,8 @@ class Checkpointer:
                 else:
                     _remove(self._other_best())  # a resume that switched checkpoint.async: one best
         except BaseException as error:  # DCP's CheckpointException is one: said, not raised in this thread
-            write.error = _failure(error)
+            with write.lock:
+                write.error, write.decided = _failure(error), True
             if self.d.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 newest = [p.name for p in self.complete()[-1:]] or ["none"]
@@ -340,8 +350,26 @@ class Checkpointer:
                     f"warning: checkpoint {write.path.name} failed to write ({write.error}); "
                     f"the newest checkpoint stays {newest[0]}"
                 )
+        else:
+            with write.lock:  # from here save_best of the same state links it itself
+                best, write.decided = write.best, True
+            if best is not None and self.d.is_main:
+                self._best_of(write.path)
         finally:
             write.committed.set()
+
+    def _best_of(self, path: Path) -> None:
+        """checkpoints/best made from the committed step directory `path`: its files hard-linked (copied where
+        the filesystem has no links), committed as a step is; the step's rotation leaves it whole."""
+        tmp = self.best.with_name(self.best.name + ".tmp")
+        try:
+            _remove(tmp)
+            shutil.copytree(path, tmp, copy_function=_link)
+            _commit(tmp, self.best)
+            _remove(self._other_best())  # a resume that switched checkpoint.async: one best
+        except OSError as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.d.print0(f"warning: checkpoint best failed to write ({_failure(error)})")
 
     def wait(self) -> bool:
         """Until the write in flight completed and was committed (or failed); on this rank alone. False:
@@ -450,8 +478,12 @@ class Write:
     """A background write (checkpoint.async): its future (on the ranks that write), and `committed`, set
     once the writing thread renamed it (rank 0) or found it failed (`error`, one line)."""
 
-    def __init__(self, path: Path, is_step: bool):
+    def __init__(self, path: Path, is_step: bool, source: dict | None = None):
         self.path, self.is_step = path, is_step
+        self.source = source  # the state saved: save_best of the same state rides on this write
+        self.best: Path | None = None  # where save_best asked for it too
+        self.decided = False  # the writing thread took `best` (or failed): a later save_best links it itself
+        self.lock = threading.Lock()
         self.future: Future | None = None
         self.committed = threading.Event()
         self.error: str | None = None
@@ -556,6 +588,13 @@ def _commit(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
     _remove(old)
     _fsync_dir(path.parent)
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
 
 
 def _remove(path: Path) -> None:

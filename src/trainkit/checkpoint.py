@@ -16,7 +16,8 @@ without weights_only, and DDP's replicated state fits one file. Resume DCP check
 checkpoint.async=true: every mode writes DCP directories, through DCP's async_save. The step waits while
 the state is copied to host memory; the write runs in a background thread; rank 0 renames the directory
 as soon as it completed on every rank (single/DDP: rank 0 alone writes, as the file). One write is in
-flight at a time: the next save waits for it, and so do the run's end and a save the run stops after.
+flight at a time: the next save waits for it (a best of the same step's state is that write, hard-linked),
+and so do the run's end and a save the run stops after.
 A write that fails is said in one line and removed; the previous checkpoint stays the newest.
 """
 

@@ -143,9 +143,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
     profiler = Profiler(cfg.trainer.profile, total_steps, d, run_dir)  # trainer.profile.steps: null, or in the run
 
     # Resume: everything the uninterrupted run would have had, down to every rank's RNG state (FSDP: DCP's shards)
-    checkpointer = checkpoint.Checkpointer(
-        run_dir / "checkpoints", cfg.checkpoint.every, cfg.checkpoint.keep, d, sharded=mode == "fsdp"
-    )
+    checkpointer = checkpoint.Checkpointer.of(cfg, run_dir, d, mode)  # checkpoint.async: DCP's async_save, in a thread
     resumed = checkpointer.load(cfg.checkpoint.resume)
 
     # Model, wrapped for the parallel mode; the optimizer is built on the wrapped (for FSDP: sharded) parameters.
@@ -188,6 +186,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
         stop.Stopper(cfg.trainer.max_time, d, cfg.parallel.timeout_s) as stopper,  # SIGTERM, SIGUSR1, max_time: a flag
         debug.anomaly(cfg.debug.anomaly, d),  # debug=anomaly: the backward function that returned NaN, named
         profiler.over(step),  # trainer.profile.steps: torch.profiler over those optimizer steps, every rank
+        checkpointer,  # checkpoint.async: whatever ends the run, the write in flight completes first
     ):
         logger.summary(efficiency.facts)  # summary.json and the logger backend's summary
         kept = identity, settings, logger.run, selection, val_batches  # what a checkpoint holds beside the step's parts
@@ -207,7 +206,7 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     step_once(parts, windows, window, step)
                 except errors.DataUnavailable as missing:  # all ranks at once (TrainWindows.fetch): keep what ran, stop
                     at = checkpoint.position(step, epoch, window, steps_per_epoch)
-                    checkpointer.save(step, checkpoint.state_of(parts, at, *kept))
+                    checkpointer.save(step, checkpoint.state_of(parts, at, *kept), last=True)  # async: written
                     raise missing.resumable(step) from None
                 step += 1
                 if (due := cadence.after(step)) is None:  # most steps: nothing more to do (early stopping and
@@ -246,8 +245,8 @@ def train(cfg: DictConfig, d: dist.Dist, mode: str, run_dir: Path) -> float | No
                     if due.save or best_now:
                         at = checkpoint.position(step, epoch, window + 1, steps_per_epoch)  # the window after it
                         state = checkpoint.state_of(parts, at, *kept)
-                        if due.save:
-                            checkpointer.save(step, state)
+                        if due.save:  # a stop's: written before the run stops (checkpoint.async: waited for)
+                            checkpointer.save(step, state, last=stopping is not None)
                         if best_now:  # checkpoints/best: outside the rotation, which never deletes it
                             checkpointer.save_best(state)
                     val_batches.check()  # auto: out of memory at an evaluation batch of 1 ends the run, its step kept

@@ -295,3 +295,11 @@ def test_bench_shards_reads_every_sample_every_way_and_holds_the_url_cache_to_it
     ]
     assert 0 < cache["max_cache"] <= cache["cache_limit"] + 2 * cache["shard_bytes"]
     assert "| tokens | 0 |" in stdout and "| images | 0 |" in stdout and "cache (s3:// on localhost" in stdout
+
+
+def test_bench_checkpoint_times_both_modes_of_a_checkpoint_of_model_and_adamw_state():
+    out = run_script("scripts/bench_checkpoint.py", "--models", "pydoc_gpt", "--saves", "1", "--steps", "1")
+    [row] = [line.split() for line in out.splitlines() if line.startswith("pydoc_gpt")]
+    params, mb = float(row[1].rstrip("M")), float(row[2])
+    assert mb == pytest.approx(3 * params * 4, rel=0.02)  # the parameters and AdamW's two moments, fp32
+    assert all(float(row[i]) > 0 for i in (3, 4)) and row[5].endswith("x")  # each mode's stall, their ratio

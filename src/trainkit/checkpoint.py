@@ -10,8 +10,15 @@ deleted only after the new one is complete. `.pt` files are read with `weights_o
 (tensors and plain containers only), so everything in them is a tensor or a plain Python
 value, RNG states included.
 
-DCP is not used for single/DDP: it unpickles its `.metadata` (and non-tensor items) without
-weights_only, and DDP's replicated state fits one file. Resume FSDP checkpoints you trust only.
+DCP is not used for single/DDP by default: it unpickles its `.metadata` (and non-tensor items)
+without weights_only, and DDP's replicated state fits one file. Resume DCP checkpoints you trust only.
+
+checkpoint.async=true: every mode writes DCP directories, through DCP's async_save. The step waits while
+the state is copied to host memory; the write runs in a background thread; rank 0 renames the directory
+as soon as it completed on every rank (single/DDP: rank 0 alone writes, as the file). One write is in
+flight at a time: the next save waits for it (a best of the same step's state is that write, hard-linked),
+and so do the run's end and a save the run stops after.
+A write that fails is said in one line and removed; the previous checkpoint stays the newest.
 """
 
 import math
@@ -19,13 +26,20 @@ import os
 import pickle
 import re
 import shutil
+import threading
+import warnings
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -42,6 +57,9 @@ from trainkit.errors import ConfigError, RunError
 from trainkit.rng import rng_state, seed_all, set_rng_state
 
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+# DCP without a process group (one process; rank 0 alone under checkpoint.async in single/DDP) says it assumes
+# one process at every save and load: what is meant, said at every checkpoint.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
 
 
 def step_name(step: int, sharded: bool = False) -> str:
@@ -77,73 +95,139 @@ def complete(directory: Path) -> list[Path]:
 
 class Checkpointer:
     """Saves every `every` optimizer steps (0: only at the end), keeps the last `keep`.
-    sharded: FSDP's layout (a DCP directory per checkpoint) instead of one file."""
+    sharded: FSDP's layout (a DCP directory per checkpoint) instead of one file. background
+    (checkpoint.async): DCP directories in every mode, written by DCP's async_save in a thread;
+    `with checkpointer:` waits for the write in flight whatever ends the block (timeout_s: its collectives')."""
 
-    def __init__(self, directory: Path, every: int, keep: int, d: Dist, sharded: bool = False):
+    def __init__(
+        self,
+        directory: Path,
+        every: int,
+        keep: int,
+        d: Dist,
+        sharded: bool = False,
+        background: bool = False,
+        timeout_s: float = 600,
+    ):
         if not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"checkpoint.keep={keep} must be a positive integer (the newest is always kept)")
         if not isinstance(every, int) or every < 0:
             raise ConfigError(f"checkpoint.every={every} must be an integer >= 0 (0: only at the end)")
         self.directory, self.every, self.keep, self.d, self.sharded = Path(directory), every, keep, d, sharded
         self.unreadable: set[str] = set()  # names load() skipped as damaged
+        self.background, self.directories = background, sharded or background  # directories: the DCP layout
+        self.writing: Write | None = None  # the background write in flight (every rank knows of it)
+        self.lost: str | None = None  # why the newest step's background write failed (cleared by the next)
+        # The background write's collectives on a group of their own: on the training's group they could interleave
+        # with the main thread's (a mismatch, a hang). Gloo: DCP's async_save needs a CPU backend (NCCL: refused).
+        self.group: tdist.ProcessGroup | None = None
+        if background and d.distributed:  # every rank builds the Checkpointer at the same point
+            self.group = cast(tdist.ProcessGroup, tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+
+    @classmethod
+    def of(cls, cfg: DictConfig, run_dir: Path, d: Dist, mode: str) -> "Checkpointer":
+        """The run's Checkpointer from its config (checkpoint.*; parallel.timeout_s bounds a background write)."""
+        c = cfg.checkpoint
+        return cls(run_dir / "checkpoints", c.every, c.keep, d, mode == "fsdp", c["async"], cfg.parallel.timeout_s)
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (files and DCP directories), oldest first."""
         return complete(self.directory)
 
-    def save(self, step: int, state: dict) -> Path:
+    def save(self, step: int, state: dict, last: bool = False) -> Path:
         """Every rank must call it: `state["ranks"]` (each rank's own part) is gathered into a
-        list indexed by rank; rank 0 writes it (and, unless sharded, everything else)."""
-        path = self._write(self.directory / step_name(step, self.sharded), state)
+        list indexed by rank; rank 0 writes it (and, unless sharded, everything else). In the
+        background: after the previous write completed; `last`: the run stops after it, so it waits
+        for this write too (RunError if it failed)."""
+        self.wait()  # one write in flight: the previous one's commit (and rotation) first
+        path = self._write(self.directory / step_name(step, self.directories), state)
+        if self.background:
+            if last:
+                self.finish()
+            return path
         if self.d.is_main:
-            for old in self.complete()[: -self.keep]:  # never `best`: not a step_<N> name
-                _remove(old)
+            self._rotate()
         self.d.barrier()  # nobody runs ahead (e.g. to exit) before the checkpoint is complete
         return path
 
+    def _rotate(self) -> None:
+        for old in self.complete()[: -self.keep]:  # never `best`: not a step_<N> name
+            _remove(old)
+
     @property
     def best(self) -> Path:
-        """checkpoints/best.pt (checkpoints/best/ under FSDP): the best evaluation's checkpoint,
+        """checkpoints/best.pt (checkpoints/best/ in the DCP layout): the best evaluation's checkpoint,
         outside the keep-last-N rotation."""
-        return self.directory / ("best" if self.sharded else "best.pt")
+        return self.directory / ("best" if self.directories else "best.pt")
+
+    def found_best(self, directory: Path | None = None) -> Path:
+        """The best checkpoint in `directory` (this run's checkpoints/): this layout's, else the other
+        layout's (a run resumed with checkpoint.async switched)."""
+        base = Path(directory or self.directory)
+        here, other = base / self.best.name, base / self._other_best().name
+        return here if here.exists() or not other.exists() else other
+
+    def _other_best(self) -> Path:
+        return self.directory / ("best.pt" if self.directories else "best")
 
     def save_best(self, state: dict) -> Path:
-        """Replace checkpoints/best with `state`, as save() writes a step (every rank calls it)."""
+        """Replace checkpoints/best with `state`, as save() writes a step (every rank calls it). In the
+        background, `state` the step's save in flight holds (a best at a checkpoint's step): that write, once
+        committed, becomes best too (hard links, rank 0): no second copy, and no wait for the first."""
+        write = self.writing
+        if write is not None and write.source is state:  # every rank alike (the writing thread never changes it)
+            with write.lock:
+                write.best, done = self.best, write.decided
+            if done and write.error is None and self.d.is_main:  # committed already: linked here
+                self._best_of(write.path)
+            return self.best
+        self.wait()
         path = self._write(self.best, state)
-        self.d.barrier()
+        if not self.background:
+            if self.d.is_main:
+                _remove(self._other_best())  # a resume that switched checkpoint.async: one best
+            self.d.barrier()
         return path
 
     def adopt_best(self, resumed: Path, step: int | None) -> None:
         """A run resumed from another run dir's checkpoint takes that dir's checkpoints/best along
         when it holds the resumed run's best step (else model_best.pt would be missing at the end)."""
-        source = Path(resumed).parent / self.best.name
+        source = self.found_best(Path(resumed).parent)
         if step is None:  # the same on every rank (the resumed selection state)
             return
         # Rank 0 alone looks and copies, then every rank waits: a rank that looked after the copy
         # would skip the barrier the others wait at.
-        elsewhere = source.resolve() != self.best.resolve()
-        if self.d.is_main and elsewhere and self._step_of(self.best) != step and self._step_of(source) == step:
+        here = self.found_best()
+        elsewhere = source.parent.resolve() != self.directory.resolve()
+        if self.d.is_main and elsewhere and self._step_of(here) != step and self._step_of(source) == step:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.best.with_name(self.best.name + ".tmp")
+            copy = self.directory / source.name  # its layout's name: best.pt or best/
+            tmp = copy.with_name(copy.name + ".tmp")
             if source.is_dir():
                 shutil.copytree(source, tmp)
             else:
                 shutil.copy2(source, tmp)
-            _remove(self.best)
-            os.replace(tmp, self.best)
+            _remove(here)
+            _remove(copy)
+            os.replace(tmp, copy)
         self.d.barrier()
 
     def _step_of(self, path: Path) -> int | None:
         """The step of a checkpoint file or DCP directory, None when there is none."""
-        if not (path.is_file() or (path / ".metadata").is_file()):
-            return None
-        return self._read(path)["progress"]["step"]
+        if path.is_dir():  # its state.pt alone (the shards are the bulk)
+            if not (path / ".metadata").is_file():
+                return None
+            return torch.load(path / "state.pt", map_location="cpu", weights_only=True)["progress"]["step"]
+        return self._read(path)["progress"]["step"] if path.is_file() else None
 
     def write_weights(self, model, ema, selected, best_step: int | None, run_dir: Path) -> list[Path]:
         """At the end (every rank calls it; FSDP gathers to rank 0): model.pt, the last weights,
         model_ema.pt with an EMA (before model.pt, which marks a finished run), then model_best.pt
         (write_best: the model, or the EMA, then holds the best evaluation's weights). `selected`: the
-        EMA whose weights the monitor measured (ema.measured_by; with val_raw/* one that is off). The paths written."""
+        EMA whose weights the monitor measured (ema.measured_by; with val_raw/* one that is off). The paths written.
+        In the background: after the last write completed (RunError if it failed: no model.pt, so the same
+        command resumes from the previous checkpoint and finishes the run)."""
+        self.finish()
         final = full_state_dict(model)
         final_ema = ema.full_state_dict(model) if ema.enabled else {}
         if self.d.is_main:
@@ -160,28 +244,32 @@ class Checkpointer:
         (model_best.pt): with an EMA (trainer.ema.decay) its average becomes the best one's (`ema`:
         an ema.EMA, duck-typed: that module imports this one), else the model's weights do.
         [path], or [] and a warning when checkpoints/best is not step `step`'s. Every rank calls it."""
-        state = self._read(self.best) if self._step_of(self.best) == step else None
+        best = self.found_best()
+        state = self._read(best) if self._step_of(best) == step else None
         if state is None or (ema.enabled and state.get("ema") is None):
-            self.d.print0(f"warning: {self.best} is not step {step}'s (or holds no EMA): no {path.name}")
+            self.d.print0(f"warning: {best} is not step {step}'s (or holds no EMA): no {path.name}")
             return []
         if ema.enabled:
             ema.load_state_dict(state["ema"])
         elif isinstance(model, FSDPModule):
             shards = get_model_state_dict(model)  # type: ignore[arg-type]  # the shards to load into
-            dcp.load({"model": shards}, checkpoint_id=self.best)
+            dcp.load({"model": shards}, checkpoint_id=best)
             set_model_state_dict(model, shards)  # type: ignore[arg-type]
         else:
-            load_model(model, state["model"], self.best)
+            load_model(model, state["model"], best)
         weights = ema.full_state_dict(model)  # FSDP: every rank joins, rank 0 gets them
         if self.d.is_main:
             save_whole(weights, path)
         return [path]
 
-    def _write(self, path: Path, state: dict) -> Path:
-        state = dict(state, ranks=self.d.gather_object(state["ranks"]))
+    def _write(self, path: Path, source: dict) -> Path:
+        state = dict(source, ranks=self.d.gather_object(source["ranks"]))
         tmp = path.with_name(path.name + ".tmp")
         if self.d.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
+        if self.background:
+            self._start(path, tmp, state, source)
+            return path
         if self.sharded:
             self._save_sharded(path, tmp, state)
         elif self.d.is_main:
@@ -201,18 +289,118 @@ class Checkpointer:
         # results before rank 0 writes .metadata): that is the barrier before the rename.
         sharded = {key: state.pop(key) for key in SHARDED if state.get(key) is not None}
         dcp.save(sharded, checkpoint_id=tmp, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-        state["sharded_entries"] = list(sharded)  # what _read finds in the shards
+        state["sharded_entries"], state["fsdp"] = list(sharded), True  # what _read finds in the shards
         if self.d.is_main:
             _write(tmp / "state.pt", state)
-            _fsync_dir(tmp)
-            # A directory cannot replace another in one rename: the old one steps aside first (a
-            # crash between the renames leaves it as <name>.old, which load() puts back).
-            old = path.with_name(path.name + ".old")
-            _remove(old)
-            if path.exists():  # best, or a step a resumed run reaches again
-                os.replace(path, old)
-            os.replace(tmp, path)
-            _remove(old)
+            _commit(tmp, path)
+
+    def _start(self, path: Path, tmp: Path, state: dict, source: dict) -> None:
+        """checkpoint.async: copy the model, optimizer and EMA state to host memory, and write it to
+        `tmp` in the background (FSDP: every rank its shards; single/DDP: rank 0 alone, as the file);
+        rank 0 writes state.pt (the small rest) now and renames `tmp` once the write completed."""
+        if self.d.is_main:
+            _remove(tmp)  # a leftover of an interrupted save
+            tmp.mkdir()
+        if self.sharded:
+            self.d.barrier()  # nobody writes into the leftover rank 0 removes
+        entries = {key: state.pop(key) for key in SHARDED if state.get(key) is not None}
+        state["sharded_entries"], state["fsdp"] = list(entries), self.sharded
+        if not self.sharded:  # DCP keeps tensors and drops empty containers: their places go to state.pt
+            tensors: dict[str, torch.Tensor] = {}
+            state["skeleton"], entries = _split(entries, "", tensors), tensors
+        if self.d.is_main:
+            _write(tmp / "state.pt", state)
+        write = Write(path, is_step=path != self.best, source=source)
+        if self.sharded or self.d.is_main:
+            # async_save returns once its stager copied every tensor (to new host memory: the next steps change
+            # the weights in place); its thread then runs dcp.save, whose collectives (FSDP) use self.group.
+            # A thread, not AsyncCheckpointerType.PROCESS: no second interpreter, no shared-memory staging, the
+            # group is this process's; the write is I/O and serialization, which leave the GIL to training.
+            future = dcp.async_save(
+                entries,
+                checkpoint_id=tmp,
+                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),  # DDP: rank 0's buffers, as model.pt
+                process_group=self.group,
+                no_dist=not (self.sharded and self.d.distributed),
+            )
+            assert isinstance(future, Future)  # not an AsyncSaveResponse: no async_stager of ours
+            write.future = future
+            future.add_done_callback(lambda done: self._written(write, done, tmp))
+        else:
+            write.committed.set()  # nothing to write on this rank
+        self.writing = write
+
+    def _written(self, write: "Write", done: Future, tmp: Path) -> None:
+        """In the writing thread, as soon as the write completed (every rank's: DCP gathers their results before
+        rank 0 writes .metadata): rank 0 commits it (rename, rotation); a failure is one line, its tmp removed."""
+        try:
+            done.result()
+            if self.d.is_main:
+                _commit(tmp, write.path)
+                if write.is_step:
+                    self._rotate()
+                else:
+                    _remove(self._other_best())  # a resume that switched checkpoint.async: one best
+        except BaseException as error:  # DCP's CheckpointException is one: said, not raised in this thread
+            with write.lock:
+                write.error, write.decided = _failure(error), True
+            if self.d.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                newest = [p.name for p in self.complete()[-1:]] or ["none"]
+                self.d.print0(
+                    f"warning: checkpoint {write.path.name} failed to write ({write.error}); "
+                    f"the newest checkpoint stays {newest[0]}"
+                )
+        else:
+            with write.lock:  # from here save_best of the same state links it itself
+                best, write.decided = write.best, True
+            if best is not None and self.d.is_main:
+                self._best_of(write.path)
+        finally:
+            write.committed.set()
+
+    def _best_of(self, path: Path) -> None:
+        """checkpoints/best made from the committed step directory `path`: its files hard-linked (copied where
+        the filesystem has no links), committed as a step is; the step's rotation leaves it whole."""
+        tmp = self.best.with_name(self.best.name + ".tmp")
+        try:
+            _remove(tmp)
+            shutil.copytree(path, tmp, copy_function=_link)
+            _commit(tmp, self.best)
+            _remove(self._other_best())  # a resume that switched checkpoint.async: one best
+        except OSError as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.d.print0(f"warning: checkpoint best failed to write ({_failure(error)})")
+
+    def wait(self) -> bool:
+        """Until the write in flight completed and was committed (or failed); on this rank alone. False:
+        it failed here (FSDP: every rank learns of any rank's failure; single/DDP: rank 0 alone writes)."""
+        write, self.writing = self.writing, None
+        if write is None:
+            return True
+        write.committed.wait()
+        if write.is_step:
+            self.lost = None if write.error is None else f"{write.path.name} ({write.error})"
+        return write.error is None
+
+    def finish(self) -> None:
+        """Every rank: wait for the write in flight; RunError on every rank when the newest step's write failed
+        (the run would end with its newest checkpoint older than said)."""
+        self.wait()
+        if self.background and self.d.any(self.lost is not None):
+            newest = [p.name for p in self.complete()[-1:]] or ["none"]
+            raise RunError(
+                f"the checkpoint {self.lost or 'of the last step'} failed to write; the newest is {newest[0]}: "
+                "the same command resumes from it"
+            )
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """Whatever ends the run (a crash too): the write in flight completes, or fails with its line,
+        before the process goes. The ends every rank reaches together waited already (finish)."""
+        self.wait()
 
     def load(self, resume) -> dict | None:
         """resume: null (start fresh), auto (newest complete checkpoint here, else fresh) or a
@@ -272,15 +460,82 @@ class Checkpointer:
     def _read(self, path: Path) -> dict:
         """The checkpoint's state; for a DCP directory all but the model and optimizer state,
         which restore() loads from the shards."""
-        sharded = path.is_dir()
-        if sharded and not (path / ".metadata").is_file():
+        directory = path.is_dir()
+        if directory and not (path / ".metadata").is_file():
             raise OSError(f"no .metadata in {path}")
-        state = torch.load(path / "state.pt" if sharded else path, map_location="cpu", weights_only=True)
-        state["path"], state["sharded"] = str(path), sharded
-        for key in state.pop("sharded_entries", ()):
+        state = torch.load(path / "state.pt" if directory else path, map_location="cpu", weights_only=True)
+        # sharded: written by FSDP (a DCP directory without the key: FSDP's, before checkpoint.async)
+        state["path"], state["sharded"] = str(path), state.pop("fsdp", directory)
+        entries = state.pop("sharded_entries", ())
+        if directory and not state["sharded"]:  # checkpoint.async's single/DDP directory: read whole, as the file
+            return state | _fill(state.pop("skeleton"), _tensors(path))
+        for key in entries:
             if key not in ("model", "optimizer"):  # restore() loads those two
                 state[key] = ShardedEntry(path, key)
         return state
+
+
+class Write:
+    """A background write (checkpoint.async): its future (on the ranks that write), and `committed`, set
+    once the writing thread renamed it (rank 0) or found it failed (`error`, one line)."""
+
+    def __init__(self, path: Path, is_step: bool, source: dict | None = None):
+        self.path, self.is_step = path, is_step
+        self.source = source  # the state saved: save_best of the same state rides on this write
+        self.best: Path | None = None  # where save_best asked for it too
+        self.decided = False  # the writing thread took `best` (or failed): a later save_best links it itself
+        self.lock = threading.Lock()
+        self.future: Future | None = None
+        self.committed = threading.Event()
+        self.error: str | None = None
+
+
+def _failure(error: BaseException) -> str:
+    """A failed write in one line: the error's first line (DCP's CheckpointException: the first failed rank's)."""
+    where = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = next(iter(sorted(error.failures.items(), key=lambda item: item[0])))
+        where = f"rank {rank}: " if tdist.is_initialized() and tdist.get_world_size() > 1 else ""
+    return f"{where}{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+_SLOT = "\x00dcp:"  # a tensor's place in a skeleton (a string no state_dict holds): its key in the DCP directory
+
+
+def _split(obj, key: str, tensors: dict[str, torch.Tensor]):
+    """`obj` with each tensor replaced by its slot, the tensors put in `tensors` under readable keys (model/fc.weight,
+    optimizer/state/0/exp_avg): what single/DDP write with DCP, whose keys are strings and which keeps no empty
+    container (an EMA of a model without buffers; an optimizer without state yet), with the rest (torch.load's with
+    weights_only: plain containers, numbers, the optimizer's integer keys) in state.pt."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj
+        return _SLOT + key
+    if isinstance(obj, dict):  # OrderedDict too (a model's state_dict)
+        return type(obj)((k, _split(v, f"{key}/{k}" if key else str(k), tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, f"{key}/{i}", tensors) for i, v in enumerate(obj))
+    return obj
+
+
+def _fill(obj, tensors: dict):
+    """_split's inverse: the skeleton with its tensors back."""
+    if isinstance(obj, str) and obj.startswith(_SLOT):
+        return tensors[obj[len(_SLOT) :]]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _tensors(path: Path) -> dict:
+    """Every tensor of a single/DDP DCP directory, by key, read without a state_dict to fill (as torch's
+    dcp_to_torch_save reads; DCP unpickles its .metadata: trusted checkpoints only)."""
+    tensors: dict = {}
+    _load_state_dict(
+        tensors, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
+    return tensors
 
 
 class ShardedEntry:
@@ -320,6 +575,27 @@ def _write(path: Path, state: dict) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """Rename a complete DCP directory `tmp` to `path`: the commit. A directory cannot replace another in one
+    rename: the old one steps aside first (a crash between the renames leaves it as <name>.old, which load()
+    puts back)."""
+    _fsync_dir(tmp)
+    old = path.with_name(path.name + ".old")
+    _remove(old)
+    if path.exists():  # best, or a step a resumed run reaches again
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _remove(old)
+    _fsync_dir(path.parent)
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
 
 
 def _remove(path: Path) -> None:
@@ -595,7 +871,11 @@ def _apply_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None
 
 
 def _layout(sharded: bool) -> str:
-    return "parallel=fsdp (a DCP directory)" if sharded else "parallel=single/ddp (one file)"
+    return (
+        "parallel=fsdp (a DCP directory)"
+        if sharded
+        else "parallel=single/ddp (one file, or checkpoint.async's directory)"
+    )
 
 
 def full_state_dict(model) -> dict:

@@ -58,13 +58,20 @@ class Trainer:
     profile: Profile = field(default_factory=Profile)
 
 
-@dataclass
 class Checkpoint:
     every: int = 200
     keep: int = 2
     resume: str | None = "auto"
     monitor: str | None = "auto"  # auto: the task's (val/acc; lm: val/loss) | an evaluation key | null: no best
     mode: str = "auto"  # auto: from the key (loss, bpc: min; else max) | max | min
+
+
+# checkpoint.async (written in the background: trainkit/checkpoint.py), read as cfg.checkpoint["async"]: a keyword
+# cannot be declared by syntax, so the field joins before @dataclass; no generated __init__/__repr__/__eq__, whose
+# code would name it (OmegaConf reads the fields and their defaults, Train's default_factory the class attributes).
+Checkpoint.__annotations__["async"] = bool
+setattr(Checkpoint, "async", False)
+Checkpoint = dataclass(init=False, repr=False, eq=False)(Checkpoint)  # type: ignore[misc]
 
 
 @dataclass

@@ -162,6 +162,15 @@ for i in 1 2; do
     deterministic+=("$dir/model.pt")
 done
 [[ ${#deterministic[@]} -eq 2 ]] && row "trainer.deterministic=true: two GPT runs" "$(same_weights "${deterministic[@]}")"
+# checkpoint.async=true: DCP's async_save stages the state from the GPU to host memory and a thread writes it; a
+# resume from step 40's checkpoint ends bit-equal to the run it came from (deterministic: comparable bit for bit).
+async_run=(trainer.max_steps=60 checkpoint.every=20 checkpoint.async=true trainer.deterministic=true)
+if on_gpu "checkpoint.async=true: resumed bit-equal" "$OUT/async_run.log" "$PY" src/train.py "${async_run[@]}" \
+    "hydra.run.dir=$RUNS/async_run" &&
+    on_gpu "checkpoint.async=true: resumed bit-equal" "$OUT/async_resumed.log" "$PY" src/train.py "${async_run[@]}" \
+        "checkpoint.resume=$RUNS/async_run/checkpoints/step_00000040" "hydra.run.dir=$RUNS/async_resumed"; then
+    row "checkpoint.async=true: resumed bit-equal" "$(same_weights "$RUNS/async_run/model.pt" "$RUNS/async_resumed/model.pt")"
+fi
 
 if [[ $GPUS -ge 2 ]]; then
     train "cnn DDP x$GPUS torch SyncBN" torchrun parallel=ddp parallel.sync_bn=true model=cnn \

@@ -252,3 +252,22 @@ def test_epochs_on_the_device_wait_for_nothing_at_their_boundaries(device, quiet
     assert f" on {DEVICE} |" in out and "done: 5 steps" in out and "data path: on the device" in out, out
     assert {1, 3} <= quiet, quiet  # the last steps of epochs 0 and 1: the next epoch's order copied after them
     assert not waits(syncs, quiet), waits(syncs, quiet)
+
+
+def test_the_steps_frontier_on_another_device(device, quiet_steps, tmp_path):
+    """Issue 61's switches on the device: trainer.deterministic=true; its quiet steps wait for nothing, and its
+    step-2 checkpoint resumed on the CPU ends with its weights. (checkpoint.async=true is not run here: DCP's stager
+    copies a tensor by its storage, which this device's wrapper tensors do not have; on a GPU, scripts/gpu_check.sh
+    resumes an async checkpoint bit for bit.)"""
+    quiet, marks = quiet_steps
+    frontier = ["trainer.deterministic=true"]
+    overrides = [*SMALL["digits"], *SHORT, "trainer.max_steps=6", "trainer.log_every=6", *frontier]
+    with on_another_device() as syncs:
+        marks.append(syncs.begin_step)
+        out = run_in_process(tmp_path / "run", *overrides)
+        marks.clear()
+    assert f" on {DEVICE} |" in out and "done: 6 steps" in out, out
+    assert quiet and not waits(syncs, quiet), (quiet, waits(syncs, quiet))
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    run_in_process(tmp_path / "cpu", *overrides, f"checkpoint.resume={step2}", "trainer.device=cpu")
+    assert_bit_equal(weights(tmp_path / "cpu"), weights(tmp_path / "run"))

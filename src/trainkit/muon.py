@@ -26,18 +26,14 @@ from collections.abc import Iterable
 import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from trainkit.errors import ConfigError
-
 ROUTES = ("muon", "adamw")
 
 
-def route(model: torch.nn.Module, optim, names: list[str]) -> dict[str, str]:
-    """{name: muon | adamw} for `names` (model.named_parameters()'s), by the default rule then optim.groups'
-    `optimizer` keys (the first group matching a name: optim.plan refuses a name matched by two)."""
-    from trainkit.optim import matches  # (optim imports this module)
-
+def route(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """{name: muon | adamw} for `names` (model.named_parameters()'s) by the default rule; optim.plan applies
+    optim.groups' `optimizer` keys over it."""
     params = dict(model.named_parameters())
-    linear, embedded = set(), set()
+    linear, other = set(), set()
     last_linear: list[int] = []
     for module in model.modules():
         owned = {id(p) for p in module.parameters(recurse=False)}
@@ -45,31 +41,17 @@ def route(model: torch.nn.Module, optim, names: list[str]) -> dict[str, str]:
             linear |= owned
             last_linear = [id(module.weight)]
         else:
-            embedded |= owned  # another owner too (an Embedding tied to the head): not a hidden matrix
+            other |= owned  # another owner too (an Embedding tied to the head): not a hidden matrix
     layer_of = getattr(model, "layer_of", None)
     if layer_of is not None:
         top = max(layer_of(name) for name in names)
         head = {name for name in names if layer_of(name) == top}
     else:
         head = {name for name in names if id(params[name]) in last_linear}
-    routes = {
-        name: "muon"
-        if params[name].dim() == 2 and id(params[name]) in linear - embedded and name not in head
-        else "adamw"
+    return {
+        name: "muon" if params[name].dim() == 2 and id(params[name]) in linear - other and name not in head else "adamw"
         for name in names
     }
-    for i, group in enumerate(optim.get("groups") or []):
-        if (to := group.get("optimizer")) is None:
-            continue
-        for name in names:
-            if matches(name, group.params):
-                if to == "muon" and params[name].dim() != 2 and not group.get("frozen", False):
-                    raise ConfigError(
-                        f"optim.groups[{i}].optimizer=muon: {name} has {params[name].dim()} dimensions; Muon "
-                        "orthogonalizes 2-D matrices only (optimizer: adamw for it)"
-                    )
-                routes[name] = to
-    return routes
 
 
 def routing_line(routes: dict[str, str], sizes: dict[str, int]) -> str:

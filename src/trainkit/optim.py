@@ -116,6 +116,7 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
         labels = {name: "" for name, _ in named}
     frozen: set[str] = set()
     owner: dict[str, int] = {}
+    sides: dict[str, str] = {}  # optim.groups' optimizer: muon | adamw
     for i, group in enumerate(optim.get("groups") or []):
         hits = [name for name, _ in named if matches(name, group.params)]
         if not hits:
@@ -134,9 +135,16 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
             labels[name] = "/".join(filter(None, (group_name(group), labels[name])))
             if group.get("frozen", False):
                 frozen.add(name)
+            if (side := group.get("optimizer")) is not None:  # optim=muon's side (check: only there)
+                if side == "muon" and dict(named)[name].dim() != 2 and name not in frozen:
+                    raise ConfigError(
+                        f"optim.groups[{i}].optimizer=muon: {name} has {dict(named)[name].dim()} dimensions; Muon "
+                        "orthogonalizes 2-D matrices only (optimizer: adamw for it)"
+                    )
+                sides[name] = side
     routes, routing = {}, None
     if routes_parameters(optim):
-        routes = muon.route(model, optim, [name for name, _ in named])
+        routes = muon.route(model, [name for name, _ in named]) | sides
         trained = {name: to for name, to in routes.items() if name not in frozen}
         routing = muon.routing_line(trained, {name: p.numel() for name, p in named})
     return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"), labels, routes, routing)

@@ -11,8 +11,9 @@ for the parameters it matches (a non-2-D one sent to Muon is refused).
 
 Under FSDP2 a matrix is a DTensor sharded on dim 0, and Newton-Schulz needs the whole of it: the momentum update
 (elementwise, on the shard) is gathered (full_tensor), orthogonalized whole on every rank, and each rank keeps its
-own rows (distribute_tensor without communication). The extra memory per rank: the largest Muon matrix in full,
-in fp32 plus its bf16 copies. Under DDP gradients are averaged before the step: the one-process update.
+own rows (distribute_tensor without communication). The extra memory per rank at the peak: the largest Muon
+matrix A x B in full, 8AB + 4 min(A, B)^2 bytes (the fp32 gather, two bf16 iterates, two bf16 Gram matrices).
+Under DDP gradients are averaged before the step: the one-process update.
 
 One lr serves both sides: adjust_lr_fn=match_rms_adamw (Moonlight, arXiv 2502.16982) scales Muon's update to
 AdamW's RMS (lr x 0.2 x sqrt(max(A, B))); the AdamW side's lr is optim.lr x adamw_lr_scale (default 1). The lr
@@ -184,10 +185,3 @@ def orthogonalize(update: torch.Tensor, coefficients, steps: int, eps: float) ->
         return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
     whole = _zeropower_via_newtonschulz(update.full_tensor(), coefficients, steps, eps)
     return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
-
-
-def gather_bytes(model: torch.nn.Module, routes: dict[str, str]) -> int:
-    """The extra memory of FSDP2's gather on a rank, at its peak: the largest Muon matrix whole in fp32 (the
-    gathered update) plus its bf16 iterate and Gram products (A x B, 2 x min(A, B)^2 in bf16)."""
-    sizes = [p.shape for n, p in model.named_parameters() if routes.get(n) == "muon"]
-    return max((4 * a * b + 2 * (2 * a * b + 2 * min(a, b) ** 2) for a, b in sizes), default=0)

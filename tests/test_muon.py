@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from helpers import compose_cfg, run_distributed, run_in_process
+from helpers import compose_cfg, run_distributed, run_in_process, weights
 from trainkit import config, optim
 from trainkit.dist import Dist
 from trainkit.errors import ConfigError
@@ -181,13 +181,22 @@ def test_resume_from_a_state_dict_is_bit_equal_and_continues_the_momentum_warmup
     assert not torch.equal(no_warmup.blocks[0].qkv.weight, straight.blocks[0].qkv.weight)  # the warmup acts
 
 
-def test_a_run_prints_its_routing_and_trains(tmp_path):
-    out = run_in_process(tmp_path, "optim=muon", "model=mlp", "model.width=16", "trainer.max_steps=3")
+def test_a_run_prints_its_routing_and_resumes_from_a_mid_run_checkpoint_bit_equal(tmp_path):
+    """train.py's own path (steps.build's start line; checkpoint.snapshot/restore; LambdaLR, clipping): a run
+    resumed from step 3 of 6, in a new dir, ends with the uninterrupted run's weights bit for bit."""
+    run = ("optim=muon", "model=mlp", "model.width=16", "optim.momentum_warmup=4", "trainer.max_steps=6")
+    run += ("checkpoint.every=3", "checkpoint.keep=2", "trainer.eval_every=100", "trainer.test=false")
+    out = run_in_process(tmp_path / "straight", *run)
     line = next(line for line in out.splitlines() if line.startswith("optim=muon:"))
     assert line == (  # digits' 64 pixels, two hidden layers of 16, 10 classes
         "optim=muon: muon 2 tensors (1,280 params): 1.weight, 4.weight | adamw 4 tensors (202 params): 1.bias, "
         "4.bias, 7.weight, 7.bias"
     )
+    middle = tmp_path / "straight" / "checkpoints" / "step_00000003.pt"
+    out = run_in_process(tmp_path / "resumed", *run, f"checkpoint.resume={middle}")
+    assert "at step 3" in out
+    straight, resumed = (weights(tmp_path / name) for name in ("straight", "resumed"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 # --- two ranks: DDP and FSDP2 against one process ------------------------------------------------

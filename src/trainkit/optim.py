@@ -136,9 +136,9 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
             if group.get("frozen", False):
                 frozen.add(name)
             if (side := group.get("optimizer")) is not None:  # optim=muon's side (check: only there)
-                if side == "muon" and dict(named)[name].dim() != 2 and name not in frozen:
+                if side == "muon" and (dims := model.get_parameter(name).dim()) != 2 and name not in frozen:
                     raise ConfigError(
-                        f"optim.groups[{i}].optimizer=muon: {name} has {dict(named)[name].dim()} dimensions; Muon "
+                        f"optim.groups[{i}].optimizer=muon: {name} has {dims} dimensions; Muon "
                         "orthogonalizes 2-D matrices only (optimizer: adamw for it)"
                     )
                 sides[name] = side

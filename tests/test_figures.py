@@ -22,6 +22,7 @@ FIGURES = {
     "addition_gpt": (["+experiment=addition_gpt"], [("val/acc", "last", 0.99), ("test/acc", "test", 0.99)]),
     "diabetes_mlp": (["+experiment=diabetes_mlp"], [("val/r2", "best", 0.32), ("test/r2", "test", 0.33)]),
     "pydoc_gpt": (["+experiment=pydoc_gpt"], [("val/loss", "last", 1.42), ("test/loss", "test", 1.47)]),
+    "pydoc_gpt_muon": (["+experiment=pydoc_gpt_muon"], [("val/loss", "last", 1.05), ("test/loss", "test", 1.20)]),
     "digits_simclr": (["+experiment=digits_simclr"], [("val/knn_acc", "last", 0.99), ("test/knn_acc", "test", 0.98)]),
     "shards_mixture_gpt": (
         ["+experiment=shards_mixture_gpt"],

@@ -85,18 +85,26 @@ def test_tf32_is_set_for_cuda_only_and_both_ways():
     assert compose_cfg().trainer.tf32 is True  # the default, as docs/config.md says
 
 
-def _compiled_and_eager(rank: int, world_size: int, lr: float) -> tuple[list, list, list]:
+def _compiled_and_eager(rank: int, world_size: int, lr: float) -> dict:
     """In a forked process (the compiler's state and threads stay out of the test process, which later tests fork):
-    the compiled and the eager steps, and the graphs compiled after each compiled step."""
+    AdamW's and Muon's (optim=muon: Linear(16, 32)'s weight on Muon's side) compiled and eager steps, and the graphs
+    compiled after each compiled AdamW step."""
     graphs: list = []
     compiled = _steps("auto", lr, 5, "optim.compile=true", graphs=graphs)
-    return compiled, _steps(False, lr), graphs
+    muon = _steps("auto", lr, 5, "optim=muon", "optim.compile=true"), _steps("auto", lr, 5, "optim=muon")
+    return {"adamw": (compiled, _steps(False, lr)), "graphs": graphs, "muon": muon}
 
 
 def test_the_compiled_step_takes_the_eager_steps_and_compiles_once_as_the_lr_moves():
     lr = 3e-3
-    [(compiled, eager, graphs)] = run_distributed(_compiled_and_eager, 1, lr, group=False)
+    [ran] = run_distributed(_compiled_and_eager, 1, lr, group=False)
+    (compiled, eager), graphs = ran["adamw"], ran["graphs"]
     _within_adamws_rounding(compiled, eager, lr, float32_step=True)  # (seen here: 1.4e-5 x lr)
+    # optim=muon: Muon's side runs eager inside the compiled step (torch reads its lr as a number), bit-equal;
+    # AdamW's side (the norm, the head) to its rounding
+    (muon_compiled, muon_eager) = ran["muon"]
+    assert torch.equal(muon_compiled[0], muon_eager[0])
+    _within_adamws_rounding(muon_compiled[1:], muon_eager[1:], lr, float32_step=True)
     # The lr is a tensor the schedule fills in place: the first step compiles, the four lrs after it reuse it (a
     # float lr is a constant of the graph: each new value would compile again, up to dynamo's limit, then run eager)
     assert graphs[0] >= 1 and graphs == graphs[:1] * 5, graphs

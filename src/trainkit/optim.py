@@ -16,6 +16,8 @@ What decides a parameter's group, later rules over earlier ones:
   buckets of the parameters that require a gradient; FSDP2 reduce-scatters only gradients that exist), and the
   BatchNorm layers whose parameters are all frozen keep their running statistics (eval mode) unless
   `optim.frozen_batchnorm=train`.
+- optim=muon (trainkit/muon.py): each parameter's side, Muon or AdamW, by its rule (hidden nn.Linear matrices
+  to Muon), and optim.groups' `optimizer: muon | adamw`; printed at start (steps.build).
 Each group's lr is optim.lr x its lr_scale, moved by the schedule (LambdaLR scales each group's initial lr; a
 resume recomputes them from this run's config: checkpoint._apply_hyperparameters). Rows show `lr` (optim.lr x the
 schedule: the parameters nothing scales) and each named group's own as `lr/<name>` (`lr_row`): a group's `name`, else
@@ -36,9 +38,10 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from trainkit import muon
 from trainkit.errors import ConfigError
 
-GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen", "name")
+GROUP_KEYS = ("params", "lr_scale", "weight_decay", "frozen", "name", "optimizer")
 FROZEN_BATCHNORM = ("eval", "train")  # optim.frozen_batchnorm
 # optim's keys that are trainkit's, not the optimizer's arguments
 TRAINKIT_KEYS = ("decay_norms_and_biases", "groups", "layer_decay", "frozen_batchnorm", "compile")
@@ -62,6 +65,8 @@ class Plan:
     frozen: frozenset[str]
     frozen_batchnorm: str = "eval"
     labels: dict[str, str] = field(default_factory=dict)
+    routes: dict[str, str] = field(default_factory=dict)  # optim=muon: {name: muon | adamw}; else empty
+    routing: str | None = None  # optim=muon: the start line saying which parameters go where
 
     def freeze(self, model: torch.nn.Module) -> None:
         """requires_grad=False for the frozen parameters (by name; before wrapping, and again after it on the
@@ -113,6 +118,7 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
         labels = {name: "" for name, _ in named}
     frozen: set[str] = set()
     owner: dict[str, int] = {}
+    sides: dict[str, str] = {}  # optim.groups' optimizer: muon | adamw
     for i, group in enumerate(optim.get("groups") or []):
         hits = [name for name, _ in named if matches(name, group.params)]
         if not hits:
@@ -131,7 +137,28 @@ def plan(optim: DictConfig, model: torch.nn.Module) -> Plan:
             labels[name] = "/".join(filter(None, (group_name(group), labels[name])))
             if group.get("frozen", False):
                 frozen.add(name)
-    return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"), labels)
+            if (side := group.get("optimizer")) is not None:  # optim=muon's side (check: only there)
+                if side == "muon" and (dims := model.get_parameter(name).dim()) != 2 and name not in frozen:
+                    raise ConfigError(
+                        f"optim.groups[{i}].optimizer=muon: {name} has {dims} dimensions; Muon "
+                        "orthogonalizes 2-D matrices only (optimizer: adamw for it)"
+                    )
+                sides[name] = side
+    routes, routing = {}, None
+    if routes_parameters(optim):
+        routes = muon.route(model, [name for name, _ in named]) | sides
+        trained = {name: to for name, to in routes.items() if name not in frozen}
+        routing = muon.routing_line(trained, {name: p.numel() for name, p in named})
+    return Plan(settings, frozenset(frozen), optim.get("frozen_batchnorm", "eval"), labels, routes, routing)
+
+
+def routes_parameters(optim: DictConfig) -> bool:
+    """Whether cfg.optim is the Muon + AdamW hybrid (or a subclass), whose groups each name their side."""
+    try:
+        target = get_class(str(optim.get("_target_", "")))
+    except Exception:  # an unknown _target_ is instantiate's error to report
+        return False
+    return isinstance(target, type) and issubclass(target, muon.MuonAdamW)
 
 
 def group_name(group) -> str:
@@ -172,17 +199,18 @@ def build(
         if kwargs["fused"] is None:
             kwargs.pop("fused")
     lr = kwargs["lr"]
-    by_setting: dict[tuple[str, float, float | None], list[torch.nn.Parameter]] = {}  # in the parameters' order
+    by_setting: dict[tuple[str, str, float, float | None], list[torch.nn.Parameter]] = {}  # in parameter order
     for name, p in model.named_parameters():
         if name not in plan_.frozen:
-            by_setting.setdefault((plan_.labels.get(name, ""), *plan_.settings[name]), []).append(p)
+            setting = (plan_.routes.get(name, ""), plan_.labels.get(name, ""), *plan_.settings[name])
+            by_setting.setdefault(setting, []).append(p)
     if not by_setting:
         raise ConfigError("optim.groups: every parameter is frozen: nothing to train")
     param_groups = []
-    for (label, scale, wd), params in by_setting.items():
+    for (side, label, scale, wd), params in by_setting.items():
         # optim.compile: the lr a tensor, which the schedule fills in place: a changing number would recompile
         group_lr = torch.tensor(lr * scale, dtype=torch.float64) if compiled else lr * scale
-        group: dict = {"params": params, "lr": group_lr}
+        group: dict = {"params": params, "lr": group_lr} | ({"optimizer": side} if side else {})
         if wd is not None:
             group["weight_decay"] = wd
         if label:  # the rows' lr/<label> (lr_row); torch keeps a group's extra keys, a resume puts back this run's
@@ -226,7 +254,7 @@ def check(optim: DictConfig) -> None:
         raise ConfigError(f"optim.frozen_batchnorm={mode} is not one of: {', '.join(FROZEN_BATCHNORM)}")
     groups = optim.get("groups") or []
     if not OmegaConf.is_list(groups) and not isinstance(groups, list):
-        raise ConfigError("optim.groups must be a list of {params, lr_scale, weight_decay, frozen}")
+        raise ConfigError("optim.groups must be a list of {params, lr_scale, weight_decay, frozen, name, optimizer}")
     for i, group in enumerate(groups):
         if not OmegaConf.is_dict(group):
             raise ConfigError(f"optim.groups[{i}] must be a mapping: {{params, lr_scale, weight_decay, frozen}}")
@@ -236,6 +264,11 @@ def check(optim: DictConfig) -> None:
             raise ConfigError(f"optim.groups[{i}].params must be a glob over parameter names (e.g. encoder.*)")
         if not isinstance(group.get("name", ""), str) or "/" in group.get("name", ""):
             raise ConfigError(f"optim.groups[{i}].name={group.name} must be a word (the rows' lr/<name>)")
+        if (side := group.get("optimizer")) is not None and (side not in muon.ROUTES or not routes_parameters(optim)):
+            raise ConfigError(
+                f"optim.groups[{i}].optimizer={side}: "
+                + ("one of muon, adamw" if routes_parameters(optim) else "only optim=muon routes parameters")
+            )
         if not isinstance(group.get("frozen", False), bool):
             raise ConfigError(f"optim.groups[{i}].frozen={group.frozen} must be true or false")
         wd = group.get("weight_decay")

@@ -188,6 +188,32 @@ class SGD:
 
 
 @dataclass
+class Muon:
+    """optim=muon (trainkit/muon.py): torch's Muon for the hidden matrices, AdamW for the rest."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
+    lr: float = 1e-3  # both sides' (Muon's through adjust_lr_fn)
+    weight_decay: float = 0.1  # both sides'
+    momentum: float = 0.95  # Muon's (torch's default)
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    adjust_lr_fn: str | None = "match_rms_adamw"  # | original | spectral_unclamped (torch.optim.Muon's)
+    momentum_warmup: int = 0  # steps from momentum_start to momentum (0: off)
+    momentum_start: float = 0.85
+    adamw_lr_scale: float = 1.0  # the AdamW side's lr: optim.lr x this
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # the AdamW side's
+    adamw_eps: float = 1e-8
+    decay_norms_and_biases: bool = True  # false: no weight decay for parameters of < 2 dims (trainkit/optim.py)
+    # Parameter groups by name (trainkit/optim.py): [{params: <glob>, lr_scale, weight_decay, frozen, optimizer}]
+    groups: list[Any] = field(default_factory=list)
+    layer_decay: float | None = None  # lr x d^(L - layer) for a model with a layer order (GPT, timm)
+    frozen_batchnorm: str = "eval"  # eval: BatchNorm whose parameters are all frozen keeps its statistics | train
+    fused: Any = "auto"  # the AdamW side's kernel: auto (fused on CUDA) | true | false (trainkit/optim.py)
+    compile: bool = False  # the optimizer step compiled (torch.compile), its lr a tensor (trainkit/optim.py)
+
+
+@dataclass
 class Data:
     """The keys the engine reads from every data set (a data set's Schema subclasses it); `splits` builds its
     (train, val, test) datasets (a data set of one's own may return (train, val): it has no test split)."""
@@ -213,7 +239,7 @@ def register() -> None:
     store = ConfigStore.instance()
     store.store(name="train_schema", node=Train)
     options: dict[str, dict[str, type]] = {
-        "optim": {"adamw": AdamW, "sgd": SGD},
+        "optim": {"adamw": AdamW, "sgd": SGD, "muon": Muon},
     }
     for group, nodes in options.items():
         for name, node in nodes.items():

@@ -78,6 +78,8 @@ def build(
     if caveat := batchnorm_caveat(unwrap(model), d.world_size, auto.K):  # the one exception to W x K x b
         d.print0(caveat)
     optimizer = optim.build(cfg.optim, unwrap(model), groups, d.device)  # by name: FSDP's shards, DDP's own
+    if groups.routing:  # optim=muon: which parameters Muon takes, which AdamW
+        d.print0(groups.routing)
     ema = EMA(unwrap(model), cfg.trainer.ema.decay, d)  # an average of the weights (FSDP: its shards); null: off
     lr_at = optim.multiplier(cfg.sched, total_steps)
     if rises := optim.survey(cfg.sched, lr_at, total_steps):  # a value < 0 or not finite: refused here

@@ -7,7 +7,8 @@
 #
 # Both run what a GPU user runs first: the README's own commands on CUDA (the default job, trainer.device=cuda, a
 # model override, predict.py, a sweep and its report; with two GPUs or more torchrun DDP and self-launched DDP
-# (parallel.nproc_per_node)), fp32, bf16 and fp16 training, torch.compile, the test suite's CUDA-only tests
+# (parallel.nproc_per_node)), fp32, bf16 and fp16 training, torch.compile (the model; the optimizer step),
+# optim=muon, two trainer.deterministic runs and an async checkpoint's resume compared bit for bit, the CUDA-only tests
 # (pytest -k cuda: tests/test_device_clean.py's host-sync counts among them), trainkit's overhead against the plain loop,
 # and with two GPUs or more torch's SyncBN under DDP and FSDP over NCCL. --quick runs short runs
 # (trainer.max_steps), one overhead row, and stops starting rows when its budget is spent (each row is then
@@ -142,6 +143,8 @@ train "gpt addition bf16" python +experiment=addition_gpt trainer.precision=bf16
 train "cnn fp16" python model=cnn trainer.precision=fp16 trainer.max_steps="$(steps 100 300)"
 train "mlp trainer.compile=true" python trainer.compile=true trainer.max_steps="$(steps 100 300)"
 train "mlp optim.compile=true" python optim.compile=true trainer.max_steps="$(steps 100 300)"
+train "gpt addition optim=muon bf16" python +experiment=addition_gpt optim=muon trainer.precision=bf16 \
+    trainer.max_steps="$(steps 200 1000)"
 
 # trainer.deterministic=true: the same seed twice, the weights bit-equal (the GPT: its embedding's backward adds
 # with atomics without the switch); a failed run is its own FAILED row.

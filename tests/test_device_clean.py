@@ -255,12 +255,13 @@ def test_epochs_on_the_device_wait_for_nothing_at_their_boundaries(device, quiet
 
 
 def test_the_steps_frontier_on_another_device(device, quiet_steps, tmp_path):
-    """Issue 61's switches on the device: trainer.deterministic=true; its quiet steps wait for nothing, and its
-    step-2 checkpoint resumed on the CPU ends with its weights. (checkpoint.async=true is not run here: DCP's stager
+    """Issue 61's switches on the device: optim=muon (Newton-Schulz on the device; a momentum warmup counted in its
+    state) and trainer.deterministic=true; its quiet steps wait for nothing, and its step-2 checkpoint resumed on
+    the CPU ends with its weights. (checkpoint.async=true is not run here: DCP's stager
     copies a tensor by its storage, which this device's wrapper tensors do not have; on a GPU, scripts/gpu_check.sh
     resumes an async checkpoint bit for bit.)"""
     quiet, marks = quiet_steps
-    frontier = ["trainer.deterministic=true"]
+    frontier = ["optim=muon", "optim.momentum_warmup=4", "trainer.deterministic=true"]
     overrides = [*SMALL["digits"], *SHORT, "trainer.max_steps=6", "trainer.log_every=6", *frontier]
     with on_another_device() as syncs:
         marks.append(syncs.begin_step)

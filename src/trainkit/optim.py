@@ -218,7 +218,7 @@ def build(
         param_groups.append(group)
     optimizer = instantiate(kwargs)(param_groups)
     if compiled:  # bound like the method it replaces (LambdaLR wraps optimizer.step's __func__)
-        optimizer.step = types.MethodType(torch.compile(type(optimizer).step), optimizer)  # type: ignore[method-assign]
+        optimizer.step = types.MethodType(torch.compile(type(optimizer).step), optimizer)
         logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_profiler_note)
     return optimizer
 
